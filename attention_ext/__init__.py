@@ -1,0 +1,64 @@
+"""attention_ext: fused scaled dot-product attention for PyTorch.
+
+    import attention_ext
+    out = attention_ext.scaled_dot_product_attention(q, k, v, is_causal=True)   # drop-in
+    out, lse = attention_ext.attention(q, k, v, causal="bottom_right", return_lse=True)
+    w = attention_ext.attention_weights(q, k)
+
+The same fused kernels serve float64/float32/float16/bfloat16 on CPU (and CUDA where built),
+forward and backward, so gradcheck exercises the fast code itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _ops  # noqa: F401  (loads the compiled ops, registers fake kernels)
+from . import function  # noqa: F401  (registers autograd on the ops)
+from ._build import load_extension
+from .api import (
+    attention,
+    attention_weights,
+    draw_rng_state,
+    dropout_mask,
+    scaled_dot_product_attention,
+)
+from .reference import attention_reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "attention",
+    "attention_weights",
+    "dropout_mask",
+    "draw_rng_state",
+    "attention_reference",
+    "build_info",
+    "cpu_variant",
+    "set_cpu_variant",
+]
+
+
+def build_info() -> dict:
+    """How this build was made and what it runs: torch version built against and running,
+    compiler, OpenMP, CPU kernel variants (compiled, supported, active), CUDA and its archs."""
+    info = {}
+    for line in torch.ops.attention_ext.build_info().strip().splitlines():
+        key, _, value = line.partition("=")
+        info[key] = value
+    info["torch_version_running"] = torch.__version__
+    info["version"] = __version__
+    info["loaded_from"] = load_extension()
+    info["threads"] = torch.get_num_threads()
+    return info
+
+
+def cpu_variant() -> str:
+    """The CPU kernel variant in use: 'avx512', 'avx2' or 'generic'."""
+    return torch.ops.attention_ext.cpu_variant()
+
+
+def set_cpu_variant(name: str) -> str:
+    """Selects the CPU kernel variant ('auto' = the best this CPU supports). The environment
+    variable ATTENTION_EXT_CPU_ISA sets the initial choice. Returns the active name."""
+    return torch.ops.attention_ext.set_cpu_variant(name)

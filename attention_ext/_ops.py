@@ -1,0 +1,52 @@
+"""Loads the compiled ops and registers their fake (meta) kernels so torch.compile and
+torch.export can trace them without running them."""
+from __future__ import annotations
+
+import torch
+
+from ._build import load_extension
+
+load_extension()
+
+ops = torch.ops.attention_ext
+
+
+def _batch_shape(*tensors):
+    return torch.broadcast_shapes(*(t.shape[:-2] for t in tensors))
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("attention_ext::attention_fwd")
+def _attention_fwd_fake(query, key, value, attn_mask, scale, causal, dropout_p, rng_state):
+    batch = _batch_shape(query, key, value)
+    n, dv = query.shape[-2], value.shape[-1]
+    out = query.new_empty((*batch, n, dv))
+    lse = query.new_empty((*batch, n), dtype=lse_dtype(query.dtype))
+    return out, lse
+
+
+@torch.library.register_fake("attention_ext::attention_bwd")
+def _attention_bwd_fake(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
+                        dropout_p, rng_state, mask_requires_grad):
+    grad_mask = torch.empty_like(attn_mask, memory_format=torch.contiguous_format) if mask_requires_grad \
+        else query.new_empty((0,))
+    return (
+        torch.empty_like(query, memory_format=torch.contiguous_format),
+        torch.empty_like(key, memory_format=torch.contiguous_format),
+        torch.empty_like(value, memory_format=torch.contiguous_format),
+        grad_mask,
+    )
+
+
+@torch.library.register_fake("attention_ext::attention_probs")
+def _attention_probs_fake(query, key, attn_mask, scale, causal):
+    batch = _batch_shape(query, key)
+    return query.new_empty((*batch, query.shape[-2], key.shape[-2]))
+
+
+@torch.library.register_fake("attention_ext::dropout_keep_mask")
+def _dropout_keep_mask_fake(rng_state, batch_shape, n, m, dropout_p):
+    return rng_state.new_empty((*batch_shape, n, m), dtype=torch.bool)

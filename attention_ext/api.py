@@ -1,0 +1,266 @@
+"""Public entry points: argument validation and normalisation, then the autograd Function.
+
+* `scaled_dot_product_attention` — drop-in for torch.nn.functional.scaled_dot_product_attention.
+* `attention` — keyword-only extended API (bottom-right causal, return_lse).
+* `attention_weights` — the exact attention probabilities.
+* `dropout_mask`, `draw_rng_state` — reproduce the dropout a call applied.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+from ._ops import ops
+from .function import AttentionFunction
+from .reference import CAUSAL_KINDS
+
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_tensor(t, name):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"attention_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"attention_ext: {name} must be float64, float32, float16 or bfloat16, got {t.dtype}")
+    if t.dim() < 2:
+        raise ValueError(
+            f"attention_ext: {name} must have at least 2 dims (..., length, head_dim), got shape {tuple(t.shape)}")
+    if t.device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"attention_ext: {name} is on {t.device}; only CPU and CUDA tensors are supported")
+
+
+def _check_qkv(query, key, value):
+    _check_tensor(query, "query")
+    _check_tensor(key, "key")
+    _check_tensor(value, "value")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"attention_ext: query, key and value must have the same dtype, got query {query.dtype}, "
+            f"key {key.dtype}, value {value.dtype}")
+    if not (query.device == key.device == value.device):
+        raise ValueError(
+            f"attention_ext: query, key and value must be on the same device, got query {query.device}, "
+            f"key {key.device}, value {value.device}")
+    if query.device.type == "cuda" and not _has_cuda_kernels():
+        raise NotImplementedError(
+            "attention_ext: got CUDA tensors but this build has no CUDA kernels (build_info()['cuda'] is "
+            "0); rebuild with a CUDA-enabled torch and nvcc available (FORCE_CUDA=1 to insist)")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"attention_ext: query and key must have the same head dim (last dim), got query "
+            f"{tuple(query.shape)} and key {tuple(key.shape)}")
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(
+            f"attention_ext: key and value must have the same length (dim -2), got key {tuple(key.shape)} "
+            f"and value {tuple(value.shape)}")
+
+
+def _has_cuda_kernels() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("attention_ext::attention_fwd", "CUDA")
+
+
+def _broadcast_batch(query, key, value):
+    try:
+        return torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+    except RuntimeError:
+        raise ValueError(
+            f"attention_ext: the batch dims of query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+            f"{tuple(value.shape)} do not broadcast") from None
+
+
+def _check_scale(scale, key):
+    if scale is None:
+        return 1.0 / math.sqrt(key.shape[-1]) if key.shape[-1] > 0 else 1.0
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise TypeError(f"attention_ext: scale must be a number, got a tensor of shape {tuple(scale.shape)}")
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"attention_ext: scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"attention_ext: scale must be finite, got {scale}")
+    return scale
+
+
+def _check_dropout(dropout_p):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"attention_ext: dropout_p must be a number, got {type(dropout_p).__name__}")
+    dropout_p = float(dropout_p)
+    if not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"attention_ext: dropout_p must be in [0, 1), got {dropout_p}")
+    return dropout_p
+
+
+def _check_causal(causal):
+    if causal not in CAUSAL_KINDS:
+        raise ValueError(f"attention_ext: causal must be None, 'top_left' or 'bottom_right', got {causal!r}")
+    return causal
+
+
+def _causal_bias_kind(attn_mask):
+    """torch.nn.attention.bias.CausalBias objects -> causal kind, else None."""
+    try:
+        from torch.nn.attention.bias import CausalBias, CausalVariant
+    except ImportError:  # pragma: no cover - torch without the bias module
+        return None
+    if isinstance(attn_mask, CausalBias):
+        return "top_left" if attn_mask.variant == CausalVariant.UPPER_LEFT else "bottom_right"
+    return None
+
+
+def _check_mask(attn_mask, query, batch, n, m):
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attention_ext: attn_mask must be a torch.Tensor, a CausalBias or None, got "
+                        f"{type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+        raise TypeError(
+            f"attention_ext: attn_mask must be bool or have the query's dtype ({query.dtype}), got {attn_mask.dtype}")
+    if attn_mask.device != query.device:
+        raise ValueError(f"attention_ext: attn_mask must be on {query.device}, got {attn_mask.device}")
+    target = (*batch, n, m)
+    ok = attn_mask.dim() <= len(target) and all(
+        s == 1 or s == t for s, t in zip(reversed(attn_mask.shape), reversed(target)))
+    if not ok:
+        raise ValueError(
+            f"attention_ext: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the attention "
+            f"weights' shape {target}")
+    return attn_mask
+
+
+def _apply_gqa(query, key, value, attn_mask):
+    """torch's enable_gqa without copying K/V: query heads (Hq) split into (Hkv, Hq/Hkv) and
+    K/V gain a broadcast dim, so query head h reads key/value head h // (Hq/Hkv)."""
+    if query.dim() < 3 or key.dim() < 3 or value.dim() < 3:
+        raise ValueError("attention_ext: enable_gqa=True needs (..., heads, length, dim) inputs, got query "
+                         f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+    hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
+    if hk != hv:
+        raise ValueError(f"attention_ext: enable_gqa=True needs key and value to have the same number of heads, "
+                         f"got key {hk} and value {hv}")
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(f"attention_ext: enable_gqa=True needs the query heads ({hq}) to be a multiple of the "
+                         f"key/value heads ({hk})")
+    if hq == hk:
+        return query, key, value, attn_mask, None
+    groups = hq // hk
+    query = query.unflatten(-3, (hk, groups))
+    key = key.unsqueeze(-3)
+    value = value.unsqueeze(-3)
+    if attn_mask is not None and attn_mask.dim() >= 3:
+        if attn_mask.shape[-3] == hq:
+            attn_mask = attn_mask.unflatten(-3, (hk, groups))
+        else:
+            attn_mask = attn_mask.unsqueeze(-3)
+    return query, key, value, attn_mask, hq
+
+
+def draw_rng_state(device="cpu") -> torch.Tensor:
+    """The (seed, offset) int64 pair a call with dropout draws from torch's generator for the
+    device, so torch.manual_seed replays dropout. After torch.manual_seed(s), this returns exactly
+    what the next dropout call will draw; pass it to dropout_mask to get that call's keep mask."""
+    return torch.randint(-(2 ** 63), 2 ** 63 - 1, (2,), dtype=torch.int64, device=device)
+
+
+def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa):
+    _check_qkv(query, key, value)
+    scale = _check_scale(scale, key)
+    dropout_p = _check_dropout(dropout_p)
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"attention_ext: enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    heads = None
+    if enable_gqa:
+        query, key, value, attn_mask, heads = _apply_gqa(query, key, value, attn_mask)
+    batch = _broadcast_batch(query, key, value)
+    n, m = query.shape[-2], key.shape[-2]
+    attn_mask = _check_mask(attn_mask, query, batch, n, m)
+    # The kernels own dK/dV per key position, so K and V must broadcast alike: expand (a view).
+    kv_batch = torch.broadcast_shapes(key.shape[:-2], value.shape[:-2])
+    if key.shape[:-2] != kv_batch or value.shape[:-2] != kv_batch:
+        key = key.expand(*kv_batch, *key.shape[-2:])
+        value = value.expand(*kv_batch, *value.shape[-2:])
+    rng_state = draw_rng_state(query.device) if dropout_p > 0 else None
+    out, lse = AttentionFunction.apply(query, key, value, attn_mask, scale, CAUSAL_KINDS[causal], dropout_p,
+                                       rng_state)
+    if heads is not None:
+        out = out.flatten(-4, -3)
+        lse = lse.flatten(-3, -2)
+    return out, lse
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention, same signature and semantics,
+    computed by the fused kernels (differentiable, deterministic). Rows where no key takes part
+    give 0 instead of NaN."""
+    causal = _causal_bias_kind(attn_mask)
+    if causal is not None:
+        if is_causal:
+            raise ValueError("attention_ext: pass either is_causal=True or a CausalBias attn_mask, not both")
+        attn_mask = None
+    elif is_causal:
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"attention_ext: is_causal must be a bool, got {type(is_causal).__name__}")
+        if attn_mask is not None:
+            raise ValueError("attention_ext: attn_mask must be None when is_causal=True (as in torch)")
+        causal = "top_left"
+    out, _ = _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa)
+    return out
+
+
+def attention(query, key, value, *, attn_mask=None, causal: Optional[str] = None, scale=None, dropout_p=0.0,
+              enable_gqa=False, return_lse=False):
+    """Extended API. causal: None, "top_left" (torch's is_causal) or "bottom_right"
+    (FlashAttention's; key j visible to query i iff j <= i + m - n). With return_lse=True returns
+    (out, lse), lse (..., n) the natural-log logsumexp of each row's scores (-inf for a row where
+    no key takes part), float32 for float16/bfloat16/float32 inputs and float64 for float64; it
+    is differentiable too."""
+    _check_causal(causal)
+    if causal is not None and attn_mask is not None:
+        raise ValueError("attention_ext: pass either causal= or attn_mask=, not both")
+    out, lse = _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa)
+    return (out, lse) if return_lse else out
+
+
+def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = None, scale=None, enable_gqa=False):
+    """The exact attention probabilities W (..., n, m): rows sum to 1, masked entries are 0, rows
+    with no visible key are all 0. Differentiable (backward composed in torch ops)."""
+    _check_causal(causal)
+    if causal is not None and attn_mask is not None:
+        raise ValueError("attention_ext: pass either causal= or attn_mask=, not both")
+    _check_tensor(query, "query")
+    _check_tensor(key, "key")
+    # Reuse the q/k/v checks with a value of no columns.
+    value = key.new_empty((*key.shape[:-1], 0))
+    _check_qkv(query, key, value)
+    scale = _check_scale(scale, key)
+    heads = None
+    if enable_gqa:
+        query, key, value, attn_mask, heads = _apply_gqa(query, key, value, attn_mask)
+    batch = _broadcast_batch(query, key, value)
+    attn_mask = _check_mask(attn_mask, query, batch, query.shape[-2], key.shape[-2])
+    w = ops.attention_probs(query, key, attn_mask, scale, CAUSAL_KINDS[causal])
+    if heads is not None:
+        w = w.flatten(-4, -3)
+    return w
+
+
+def dropout_mask(rng_state: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:
+    """The bool keep mask (shape = (*batch, n, m)) that dropout with this rng_state (int64
+    (seed, offset)) applies: weight (b, i, j) survives iff the mask is True. The batch index b
+    is the row-major index over the broadcast batch dims of the call (after enable_gqa's split
+    of the query heads into (kv_heads, groups), which keeps the same order)."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 2:
+        raise ValueError(f"attention_ext: dropout_mask shape must be (*batch, n, m), got {shape}")
+    dropout_p = _check_dropout(dropout_p)
+    if not isinstance(rng_state, torch.Tensor) or rng_state.dtype != torch.int64 or rng_state.numel() != 2:
+        raise TypeError("attention_ext: rng_state must be an int64 tensor (seed, offset) from draw_rng_state()")
+    return ops.dropout_keep_mask(rng_state, list(shape[:-2]), shape[-2], shape[-1], dropout_p)
+

@@ -1,0 +1,284 @@
+"""Autograd for the attention ops.
+
+First order runs the fused kernels both ways: `AttentionFunction.forward` calls `attention_fwd`
+and its backward calls `attention_bwd` (the softmax-Jacobian backward, no atomics). The same
+setup_context/backward pair is registered on the op with `torch.library.register_autograd`, so
+`torch.ops.attention_ext.attention_fwd` is differentiable on its own (opcheck, torch.compile).
+
+Beyond first order the library composes torch ops, at O(batch · n · m) memory:
+  * double backward (`AttentionBackward.backward`) differentiates `attention_backward_composite`,
+    the same Jacobian formula written in torch ops; cost ≈ a naive attention forward + backward.
+  * forward-mode AD (`AttentionFunction.jvp`) uses the exact weights from `attention_probs`:
+    out_t = (P_t ∘ Z) V + (P ∘ Z) V_t with P_t = P ∘ (S_t − rowsum(P ∘ S_t)).
+  * vmap rules fold the vmapped dim into the ops' broadcast batch dims: no Python loop.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._ops import lse_dtype, ops
+from .reference import masked_scores, softmax_lse
+
+CAUSAL_NAMES = {0: None, 1: "top_left", 2: "bottom_right"}
+
+
+def keep_scale(rng_state, batch_shape, n, m, dropout_p, dtype):
+    """Z = keep / (1 - p): the dropout mask the kernels use, as a tensor."""
+    keep = ops.dropout_keep_mask(rng_state, list(batch_shape), n, m, dropout_p)
+    return keep.to(dtype) / (1.0 - dropout_p)
+
+
+def _batch_shape(query, key, value):
+    return torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+
+
+# ----------------------------------------------------------------------------------------------
+# First order: the fused kernels.
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, scale, causal, dropout_p, rng_state = inputs
+    out, lse = output
+    ctx.scale, ctx.causal, ctx.dropout_p = scale, causal, dropout_p
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse, rng_state)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, attn_mask, out, lse, rng_state = ctx.saved_tensors
+    if grad_out is None and grad_lse is None:
+        return (None,) * 8
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    mask_grad = bool(ctx.needs_input_grad[3]) and attn_mask is not None
+    args = (grad_out, grad_lse, query, key, value, attn_mask, out, lse, ctx.scale, ctx.causal,
+            ctx.dropout_p, rng_state, mask_grad)
+    if torch.is_grad_enabled():  # create_graph=True: keep the graph for double backward
+        dq, dk, dv, dmask = AttentionBackward.apply(*args)
+    else:
+        dq, dk, dv, dmask = ops.attention_bwd(*args)
+    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None
+
+
+class AttentionFunction(torch.autograd.Function):
+    """(query, key, value, attn_mask, scale, causal, dropout_p, rng_state) -> (out, lse)."""
+
+    @staticmethod
+    def forward(query, key, value, attn_mask, scale, causal, dropout_p, rng_state):
+        return ops.attention_fwd(query, key, value, attn_mask, scale, causal, dropout_p, rng_state)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+        query, key, value, attn_mask, _, _, _, rng_state = inputs
+        ctx.save_for_forward(query, key, value, attn_mask, rng_state)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _backward(ctx, grad_out, grad_lse)
+
+    @staticmethod
+    def jvp(ctx, query_t, key_t, value_t, mask_t, *unused):
+        query, key, value, attn_mask, rng_state = ctx.saved_tensors
+        scale = ctx.scale
+        s_t = None
+        if query_t is not None:
+            s_t = torch.matmul(query_t, key.transpose(-1, -2)) * scale
+        if key_t is not None:
+            term = torch.matmul(query, key_t.transpose(-1, -2)) * scale
+            s_t = term if s_t is None else s_t + term
+        if mask_t is not None:
+            s_t = mask_t if s_t is None else s_t + mask_t
+        probs = ops.attention_probs(query, key, attn_mask, scale, ctx.causal)
+        batch = probs.shape[:-2]
+        z = None
+        weights = probs
+        if ctx.dropout_p > 0:
+            z = keep_scale(rng_state, batch, probs.shape[-2], probs.shape[-1], ctx.dropout_p, probs.dtype)
+            weights = probs * z
+        out_t = None
+        lse_t = None
+        if s_t is not None:
+            ps = probs * s_t
+            row = ps.sum(-1, keepdim=True)
+            p_t = ps - probs * row
+            if z is not None:
+                p_t = p_t * z
+            out_t = torch.matmul(p_t, value)
+            lse_t = row.squeeze(-1).to(lse_dtype(query.dtype))
+        if value_t is not None:
+            term = torch.matmul(weights, value_t)
+            out_t = term if out_t is None else out_t + term
+        if out_t is None:
+            out_t = torch.zeros((*batch, probs.shape[-2], value.shape[-1]), dtype=query.dtype, device=query.device)
+        else:
+            out_t = out_t.expand(*batch, probs.shape[-2], value.shape[-1])
+        if lse_t is None:
+            lse_t = torch.zeros(probs.shape[:-1], dtype=lse_dtype(query.dtype), device=query.device)
+        return out_t.contiguous(), lse_t.contiguous()
+
+    @staticmethod
+    def vmap(info, in_dims, query, key, value, attn_mask, scale, causal, dropout_p, rng_state):
+        if in_dims[7] is not None:
+            raise NotImplementedError("attention_ext: vmap over rng_state is not supported")
+        query, key, value, attn_mask = fold_vmap_dim(info.batch_size, in_dims[:4],
+                                                     (query, key, value, attn_mask))
+        out, lse = AttentionFunction.apply(query, key, value, attn_mask, scale, causal, dropout_p, rng_state)
+        return (out, lse), (0, 0)
+
+
+def fold_vmap_dim(size, dims, tensors):
+    """Moves each tensor's vmapped dim to the front (expanding unbatched ones, without a copy) and
+    pads the batch dims so all tensors align; the ops then treat it as one more batch dim."""
+    prepared = []
+    for t, d in zip(tensors, dims):
+        if t is None:
+            prepared.append(None)
+            continue
+        if d is None:
+            t = t.unsqueeze(0).expand(size, *t.shape)
+        else:
+            t = t.movedim(d, 0)
+        while t.dim() < 3:  # (V, rows, cols) at least: a 1-D mask is (m,)
+            t = t.unsqueeze(1)
+        prepared.append(t)
+    nbatch = max(t.dim() - 3 for t in prepared if t is not None)
+    out = []
+    for t in prepared:
+        if t is not None:
+            while t.dim() - 3 < nbatch:
+                t = t.unsqueeze(1)
+        out.append(t)
+    return out
+
+
+torch.library.register_autograd("attention_ext::attention_fwd", _backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Second order: a composition of torch ops.
+
+def attention_backward_composite(grad_out, grad_lse, query, key, value, attn_mask, scale, causal,
+                                 dropout_p, rng_state):
+    """The backward of the kernels in differentiable torch ops: (dq, dk, dv, dmask), reduced to
+    the inputs' shapes. Memory O(batch · n · m)."""
+    s = masked_scores(query, key, attn_mask, causal=CAUSAL_NAMES[causal], scale=scale)
+    p, _ = softmax_lse(s)
+    pz = p
+    z = None
+    if dropout_p > 0:
+        z = keep_scale(rng_state, s.shape[:-2], s.shape[-2], s.shape[-1], dropout_p, p.dtype)
+        pz = p * z
+    out = torch.matmul(pz, value)
+    dv = torch.matmul(pz.transpose(-1, -2), grad_out)
+    dp = torch.matmul(grad_out, value.transpose(-1, -2))
+    if z is not None:
+        dp = dp * z
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    if grad_lse is not None:
+        delta = delta - grad_lse.unsqueeze(-1).to(delta.dtype)
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, key) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), query) * scale
+    dmask = ds.sum_to_size(attn_mask.shape) if attn_mask is not None and attn_mask.is_floating_point() else None
+    return dq.sum_to_size(query.shape), dk.sum_to_size(key.shape), dv.sum_to_size(value.shape), dmask
+
+
+class AttentionBackward(torch.autograd.Function):
+    """The fused backward as a differentiable function (its own backward is the composition)."""
+
+    @staticmethod
+    def forward(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal, dropout_p,
+                rng_state, mask_grad):
+        return ops.attention_bwd(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
+                                 dropout_p, rng_state, mask_grad)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        grad_out, grad_lse, query, key, value, attn_mask, _, _, scale, causal, dropout_p, rng_state, mask_grad = inputs
+        ctx.scale, ctx.causal, ctx.dropout_p, ctx.mask_grad = scale, causal, dropout_p, mask_grad
+        ctx.save_for_backward(grad_out, grad_lse, query, key, value, attn_mask, rng_state)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, g_dq, g_dk, g_dv, g_dmask):
+        grad_out, grad_lse, query, key, value, attn_mask, rng_state = ctx.saved_tensors
+        leaves = [grad_out, grad_lse, query, key, value, attn_mask]
+        wants = [ctx.needs_input_grad[i] and leaves[i] is not None for i in range(6)]
+        wants[5] = wants[5] and attn_mask.is_floating_point()
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(w) if t is not None else None for t, w in zip(leaves, wants)]
+            results = attention_backward_composite(*inputs, ctx.scale, ctx.causal, ctx.dropout_p, rng_state)
+            pairs = [(r, g) for r, g in zip(results, (g_dq, g_dk, g_dv, g_dmask if ctx.mask_grad else None))
+                     if r is not None and g is not None and r.requires_grad]
+            targets = [t for t, w in zip(inputs, wants) if w]
+            grads = (torch.autograd.grad([r for r, _ in pairs], targets, [g for _, g in pairs], allow_unused=True,
+                                         create_graph=torch.is_grad_enabled())
+                     if pairs and targets else [None] * len(targets))
+        it = iter(grads)
+        out = [next(it) if w else None for w in wants]
+        return (*out, None, None, None, None, None, None, None)
+
+    @staticmethod
+    def vmap(info, in_dims, grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
+             dropout_p, rng_state, mask_grad):
+        if in_dims[11] is not None:
+            raise NotImplementedError("attention_ext: vmap over rng_state is not supported")
+        q, k, v, m, go, o = fold_vmap_dim(
+            info.batch_size, (in_dims[2], in_dims[3], in_dims[4], in_dims[5], in_dims[0], in_dims[6]),
+            (query, key, value, attn_mask, grad_out, out))
+        # lse and grad_lse are (batch..., n): fold them with a dummy trailing dim.
+        ls, gl = fold_vmap_dim(info.batch_size, (in_dims[7], in_dims[1]),
+                               (lse.unsqueeze(-1), grad_lse.unsqueeze(-1) if grad_lse is not None else None))
+        nb = q.dim() - 2
+        ls = _align(ls.squeeze(-1), nb + 1)
+        gl = _align(gl.squeeze(-1), nb + 1) if gl is not None else None
+        go, o = _align(go, nb + 2), _align(o, nb + 2)
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        go = go.expand(*batch, *go.shape[-2:])
+        o = o.expand(*batch, *o.shape[-2:])
+        ls = ls.expand(*batch, ls.shape[-1])
+        if gl is not None:
+            gl = gl.expand(*batch, gl.shape[-1])
+        dq, dk, dv, dmask = AttentionBackward.apply(go, gl, q, k, v, m, o, ls, scale, causal, dropout_p,
+                                                    rng_state, mask_grad)
+        return (dq, dk, dv, dmask), (0, 0, 0, 0 if mask_grad else None)
+
+
+def _align(t, ndim):
+    while t.dim() < ndim:
+        t = t.unsqueeze(1)
+    return t
+
+
+def _backward_op_backward(ctx, g_dq, g_dk, g_dv, g_dmask):
+    return AttentionBackward.backward(ctx, g_dq, g_dk, g_dv, g_dmask)
+
+
+torch.library.register_autograd("attention_ext::attention_bwd", _backward_op_backward,
+                                setup_context=AttentionBackward.setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact attention weights.
+
+def _probs_setup_context(ctx, inputs, output):
+    query, key, attn_mask, scale, causal = inputs
+    ctx.scale = scale
+    ctx.save_for_backward(query, key, attn_mask, output)
+
+
+def _probs_backward(ctx, grad_w):
+    """W = softmax(S): dS = W ∘ (dW − rowsum(dW ∘ W)); composed in torch ops."""
+    query, key, attn_mask, w = ctx.saved_tensors
+    ds = w * (grad_w - (grad_w * w).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, key) * ctx.scale if ctx.needs_input_grad[0] else None
+    dk = torch.matmul(ds.transpose(-1, -2), query) * ctx.scale if ctx.needs_input_grad[1] else None
+    dmask = None
+    if ctx.needs_input_grad[2] and attn_mask is not None and attn_mask.is_floating_point():
+        dmask = ds.sum_to_size(attn_mask.shape)
+    return (dq.sum_to_size(query.shape) if dq is not None else None,
+            dk.sum_to_size(key.shape) if dk is not None else None, dmask, None, None)
+
+
+torch.library.register_autograd("attention_ext::attention_probs", _probs_backward,
+                                setup_context=_probs_setup_context)

@@ -1,0 +1,88 @@
+"""The seed's formula in plain torch: softmax(Q Kᵀ · scale + mask) V, computed in float64.
+
+This is the yardstick for tests and `python -m attention_ext check`, and the differentiable
+composition behind double backward and forward-mode AD (see function.py). It follows the
+library's decided semantics: a row with no visible key gives output 0 and lse -inf (never NaN),
+and a floating mask entry at or below the dtype's lowest finite value counts as masked out.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+CAUSAL_KINDS = {None: 0, "top_left": 1, "bottom_right": 2}
+
+
+def causal_visibility(n: int, m: int, causal: Optional[str], device=None) -> Optional[torch.Tensor]:
+    """Bool (n, m): True where key j is visible to query i under the causal alignment."""
+    if causal is None:
+        return None
+    shift = 0 if causal == "top_left" else m - n
+    i = torch.arange(n, device=device).unsqueeze(-1)
+    j = torch.arange(m, device=device)
+    return j <= i + shift
+
+
+def masked_scores(query, key, attn_mask=None, *, causal=None, scale=None) -> torch.Tensor:
+    """Scaled scores with the mask applied: -inf where a key does not take part."""
+    scale = 1.0 / math.sqrt(key.shape[-1]) if scale is None else scale
+    s = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        else:
+            lowest = torch.finfo(attn_mask.dtype).min
+            s = s + attn_mask.to(s.dtype)
+            s = s.masked_fill(attn_mask <= lowest, float("-inf"))
+    vis = causal_visibility(s.shape[-2], s.shape[-1], causal, s.device)
+    if vis is not None:
+        s = s.masked_fill(~vis, float("-inf"))
+    return s
+
+
+def softmax_lse(s: torch.Tensor):
+    """Row softmax and logsumexp with fully masked rows giving weights 0 and lse -inf."""
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    empty = torch.isneginf(lse)
+    p = torch.where(empty, torch.zeros_like(s), torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse)))
+    return p, lse.squeeze(-1)
+
+
+def expand_gqa(query, key, value):
+    """torch's enable_gqa: each key/value head serves query_heads / kv_heads query heads."""
+    hq, hk = query.shape[-3], key.shape[-3]
+    if hq != hk:
+        key = key.repeat_interleave(hq // hk, dim=-3)
+        value = value.repeat_interleave(hq // hk, dim=-3)
+    return key, value
+
+
+def attention_reference(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    *,
+    causal: Optional[str] = None,
+    scale: Optional[float] = None,
+    dropout_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+    dtype: Optional[torch.dtype] = torch.float64,
+):
+    """Returns (out, lse, weights). `dtype=None` computes in the inputs' own dtype (used to
+    measure the error of plain low-precision torch); `dropout_mask` is the bool keep mask."""
+    if dtype is not None:
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.to(dtype)
+    if enable_gqa:
+        key, value = expand_gqa(query, key, value)
+    s = masked_scores(query, key, attn_mask, causal=causal, scale=scale)
+    p, lse = softmax_lse(s)
+    weights = p
+    if dropout_mask is not None and dropout_p > 0:
+        p = p * dropout_mask.to(p.dtype) / (1.0 - dropout_p)
+    return torch.matmul(p, value), lse, weights

@@ -1,0 +1,209 @@
+#include "attention_binding.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "philox.h"
+
+namespace attention_ext {
+namespace {
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << (s.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+bool supported_dtype(at::ScalarType t) {
+  return t == at::kDouble || t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_float_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(supported_dtype(t.scalar_type()), "attention_ext: ", name,
+              " must be a floating tensor (float64, float32, float16 or bfloat16), got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() >= 2, "attention_ext: ", name,
+              " must have at least 2 dims (..., length, head_dim), got shape ", shape_str(t.sizes()));
+}
+
+}  // namespace
+
+std::vector<int64_t> with_tail(std::vector<int64_t> batch, std::initializer_list<int64_t> tail) {
+  batch.insert(batch.end(), tail.begin(), tail.end());
+  return batch;
+}
+
+ScalarType to_scalar_type(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble:
+      return ScalarType::kFloat64;
+    case at::kFloat:
+      return ScalarType::kFloat32;
+    case at::kHalf:
+      return ScalarType::kFloat16;
+    case at::kBFloat16:
+      return ScalarType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "attention_ext: unsupported dtype ", t);
+  }
+}
+
+at::ScalarType lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const std::optional<at::Tensor>& attn_mask, double scale,
+                                      int64_t causal, double dropout_p,
+                                      const std::optional<at::Tensor>& rng_state) {
+  check_float_tensor(q, "query");
+  check_float_tensor(k, "key");
+  check_float_tensor(v, "value");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "attention_ext: query, key and value must have the same dtype, got query ",
+              q.scalar_type(), ", key ", k.scalar_type(), ", value ", v.scalar_type());
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(),
+              "attention_ext: query, key and value must be on the same device, got query ",
+              q.device(), ", key ", k.device(), ", value ", v.device());
+  TORCH_CHECK(q.size(-1) == k.size(-1), "attention_ext: query and key must have the same head dim ",
+              "(last dim), got query ", shape_str(q.sizes()), " and key ", shape_str(k.sizes()));
+  TORCH_CHECK(k.size(-2) == v.size(-2), "attention_ext: key and value must have the same length ",
+              "(dim -2), got key ", shape_str(k.sizes()), " and value ", shape_str(v.sizes()));
+  TORCH_CHECK(std::isfinite(scale), "attention_ext: scale must be a finite number, got ", scale);
+  TORCH_CHECK(causal >= 0 && causal <= 2,
+              "attention_ext: causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got ", causal);
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
+              "attention_ext: dropout_p must be in [0, 1), got ", dropout_p);
+  if (dropout_p > 0.0) {
+    TORCH_CHECK(rng_state.has_value(), "attention_ext: dropout_p > 0 needs an rng_state tensor");
+    TORCH_CHECK(rng_state->scalar_type() == at::kLong && rng_state->numel() == 2,
+                "attention_ext: rng_state must be an int64 tensor of 2 elements (seed, offset), got ",
+                rng_state->scalar_type(), " of shape ", shape_str(rng_state->sizes()));
+    TORCH_CHECK(rng_state->device() == q.device(), "attention_ext: rng_state must be on ",
+                q.device(), ", got ", rng_state->device());
+  }
+
+  // Broadcast the batch dims (all but the last two) of q, k and v.
+  AttentionShape shape;
+  shape.n = q.size(-2);
+  shape.m = k.size(-2);
+  shape.dk = q.size(-1);
+  shape.dv = v.size(-1);
+  const int64_t nd = std::max({q.dim(), k.dim(), v.dim()}) - 2;
+  shape.batch.assign(nd, 1);
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{q, "query"},
+                                {k, "key"},
+                                {v, "value"}}) {
+    const int64_t tnd = t.dim() - 2;
+    for (int64_t i = 0; i < tnd; ++i) {
+      const int64_t d = nd - tnd + i;
+      const int64_t s = t.size(i);
+      if (s == 1) continue;
+      TORCH_CHECK(shape.batch[d] == 1 || shape.batch[d] == s,
+                  "attention_ext: the batch dims of query ", shape_str(q.sizes()), ", key ",
+                  shape_str(k.sizes()), " and value ", shape_str(v.sizes()),
+                  " do not broadcast (", name, " has size ", s, " at batch dim ", d, ")");
+      shape.batch[d] = s;
+    }
+  }
+  TORCH_CHECK(nd <= kMaxBatchDims, "attention_ext: at most ", kMaxBatchDims,
+              " batch dims are supported, got ", nd, " (reshape the leading dims together)");
+  // The backward kernel owns dK and dV per key position, so key and value must broadcast alike.
+  {
+    std::vector<int64_t> kb(nd, 1), vb(nd, 1);
+    for (int64_t i = 0; i < k.dim() - 2; ++i) kb[nd - (k.dim() - 2) + i] = k.size(i);
+    for (int64_t i = 0; i < v.dim() - 2; ++i) vb[nd - (v.dim() - 2) + i] = v.size(i);
+    TORCH_CHECK(kb == vb, "attention_ext: key and value must have the same batch dims at the op ",
+                "level, got key ", shape_str(k.sizes()), " and value ", shape_str(v.sizes()),
+                " (attention_ext.scaled_dot_product_attention broadcasts them for you)");
+  }
+
+  if (attn_mask.has_value()) {
+    const at::Tensor& mask = *attn_mask;
+    TORCH_CHECK(mask.device() == q.device(), "attention_ext: attn_mask must be on ", q.device(),
+                ", got ", mask.device());
+    TORCH_CHECK(mask.scalar_type() == at::kBool || mask.scalar_type() == q.scalar_type(),
+                "attention_ext: attn_mask must be bool or have the query's dtype (", q.scalar_type(),
+                "), got ", mask.scalar_type());
+    const auto target = with_tail(shape.batch, {shape.n, shape.m});
+    bool ok = mask.dim() <= static_cast<int64_t>(target.size());
+    for (int64_t i = 0; ok && i < mask.dim(); ++i) {
+      const int64_t s = mask.size(mask.dim() - 1 - i);
+      const int64_t want = target[target.size() - 1 - i];
+      ok = s == 1 || s == want;
+    }
+    TORCH_CHECK(ok, "attention_ext: attn_mask of shape ", shape_str(mask.sizes()),
+                " does not broadcast to the attention weights' shape ", shape_str(target));
+  }
+  return shape;
+}
+
+TensorRef make_ref(const at::Tensor& t, const std::vector<int64_t>& batch) {
+  TensorRef r;
+  r.data = t.data_ptr();
+  const int64_t nd = static_cast<int64_t>(batch.size());
+  const int64_t tnd = t.dim() - 2;
+  for (int64_t i = 0; i < tnd; ++i) {
+    const int64_t d = nd - tnd + i;
+    r.batch_stride[d] = t.size(i) == 1 ? 0 : t.stride(i);
+  }
+  r.row_stride = t.size(-2) == 1 ? 0 : t.stride(-2);
+  r.col_stride = t.size(-1) == 1 ? 0 : t.stride(-1);
+  return r;
+}
+
+TensorRef make_row_ref(const at::Tensor& t, const std::vector<int64_t>& batch) {
+  TensorRef r;
+  r.data = t.data_ptr();
+  const int64_t nd = static_cast<int64_t>(batch.size());
+  const int64_t tnd = t.dim() - 1;
+  for (int64_t i = 0; i < tnd; ++i) {
+    const int64_t d = nd - tnd + i;
+    r.batch_stride[d] = t.size(i) == 1 ? 0 : t.stride(i);
+  }
+  r.row_stride = t.size(-1) == 1 ? 0 : t.stride(-1);
+  return r;
+}
+
+AttentionParams make_params(const AttentionShape& shape, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
+                            double scale, int64_t causal, double dropout_p,
+                            const std::optional<at::Tensor>& rng_state) {
+  AttentionParams p;
+  p.dtype = to_scalar_type(q.scalar_type());
+  p.batch_ndim = static_cast<int32_t>(shape.batch.size());
+  p.batch_numel = 1;
+  for (size_t d = 0; d < shape.batch.size(); ++d) {
+    p.batch_size[d] = shape.batch[d];
+    p.batch_numel *= shape.batch[d];
+  }
+  p.n = shape.n;
+  p.m = shape.m;
+  p.dk = shape.dk;
+  p.dv = shape.dv;
+  p.q = make_ref(q, shape.batch);
+  p.k = make_ref(k, shape.batch);
+  p.v = make_ref(v, shape.batch);
+  if (attn_mask.has_value()) {
+    const at::Tensor& mask = *attn_mask;
+    // A mask of fewer than 2 dims is (m,) or a scalar: view it as (1, m) / (1, 1).
+    at::Tensor m2 = mask;
+    while (m2.dim() < 2) m2 = m2.unsqueeze(0);
+    p.mask = make_ref(m2, shape.batch);
+    p.mask_kind = mask.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
+  }
+  p.scale = scale;
+  p.causal = static_cast<CausalKind>(causal);
+  p.dropout_p = dropout_p;
+  p.dropout_threshold = dropout_threshold(dropout_p);
+  if (dropout_p > 0.0 && rng_state->is_cpu()) {
+    const at::Tensor state = rng_state->contiguous();
+    p.seed = static_cast<uint64_t>(state.data_ptr<int64_t>()[0]);
+    p.offset = static_cast<uint64_t>(state.data_ptr<int64_t>()[1]);
+  }
+  return p;
+}
+
+}  // namespace attention_ext

@@ -1,0 +1,44 @@
+// Torch-facing helpers shared by the CPU and CUDA bindings: argument checks and the translation
+// of tensors into AttentionParams. Every check names the tensor, what it got and what was
+// expected, because the ops are public (torch.ops.attention_ext.*) as well as used by Python.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attention_params.h"
+
+namespace attention_ext {
+
+// The validated shape of one call.
+struct AttentionShape {
+  std::vector<int64_t> batch;  // broadcast batch shape of q, k, v (and the mask)
+  int64_t n = 0, m = 0, dk = 0, dv = 0;
+};
+
+// Checks q/k/v (and mask, if given) and returns the broadcast shape.
+AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const std::optional<at::Tensor>& attn_mask, double scale,
+                                      int64_t causal, double dropout_p,
+                                      const std::optional<at::Tensor>& rng_state);
+
+// Fills sizes, dtype, q/k/v/mask views, scale, causal and dropout fields.
+AttentionParams make_params(const AttentionShape& shape, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
+                            double scale, int64_t causal, double dropout_p,
+                            const std::optional<at::Tensor>& rng_state);
+
+// View of a (batch_tail..., rows, cols) tensor broadcast to `batch`: stride 0 on missing or size-1
+// batch dims, and on a size-1 row or column dim (so it broadcasts to any length).
+TensorRef make_ref(const at::Tensor& t, const std::vector<int64_t>& batch);
+// View of a (batch_tail..., rows) tensor such as lse: rows use row_stride.
+TensorRef make_row_ref(const at::Tensor& t, const std::vector<int64_t>& batch);
+
+std::vector<int64_t> with_tail(std::vector<int64_t> batch, std::initializer_list<int64_t> tail);
+
+ScalarType to_scalar_type(at::ScalarType t);
+at::ScalarType lse_dtype(at::ScalarType t);
+
+}  // namespace attention_ext

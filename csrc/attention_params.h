@@ -1,0 +1,67 @@
+// Plain description of one attention call: pointers, sizes and strides.
+//
+// Shared by the CPU and CUDA kernels, so it includes no torch headers. Every size and stride is
+// int64 so index arithmetic never overflows on tensors of more than 2^31 elements.
+#pragma once
+#include <stdint.h>
+
+namespace attention_ext {
+
+// Leading ("batch") dims of q/k/v/mask broadcast against each other like torch; the kernels see
+// the broadcast shape and, per tensor, a stride for every batch dim (0 where it is broadcast).
+constexpr int kMaxBatchDims = 8;
+
+enum class ScalarType : int32_t { kFloat64 = 0, kFloat32 = 1, kFloat16 = 2, kBFloat16 = 3 };
+
+// kTopLeft: key j visible to query i iff j <= i (torch's is_causal).
+// kBottomRight: key j visible iff j <= i + (m - n) (FlashAttention; torch's causal_lower_right).
+enum class CausalKind : int32_t { kNone = 0, kTopLeft = 1, kBottomRight = 2 };
+
+// kBool: true = the key takes part. kAdditive: added to the scaled scores; -inf, and the lowest
+// finite value of the mask's dtype (HF-style "finfo.min" masks), both mean "masked out".
+enum class MaskKind : int32_t { kNone = 0, kBool = 1, kAdditive = 2 };
+
+// A view of a (batch..., rows, cols) tensor. Strides are in elements.
+struct TensorRef {
+  void* data = nullptr;
+  int64_t batch_stride[kMaxBatchDims] = {};
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
+};
+
+struct AttentionParams {
+  ScalarType dtype = ScalarType::kFloat32;  // of q, k, v, out, grads and an additive mask
+
+  int32_t batch_ndim = 0;
+  int64_t batch_size[kMaxBatchDims] = {};
+  int64_t batch_numel = 1;
+
+  int64_t n = 0;   // queries
+  int64_t m = 0;   // keys / values
+  int64_t dk = 0;  // query/key head dim
+  int64_t dv = 0;  // value head dim
+
+  TensorRef q, k, v;            // inputs
+  TensorRef mask;               // (batch..., n|1, m|1), any strides; see mask_kind
+  TensorRef out;                // (batch..., n, dv), written by forward
+  TensorRef lse;                // (batch..., n) natural-log logsumexp, float32 (float64 for fp64)
+  TensorRef grad_out;           // backward inputs
+  TensorRef grad_lse;           // optional gradient flowing into lse (data == nullptr if none)
+  TensorRef delta;              // backward scratch: rowsum(dO * O) - dlse, accumulator type
+  TensorRef grad_q, grad_k, grad_v;  // allocated with the inputs' own (unbroadcast) shapes
+  TensorRef grad_mask;          // allocated with the mask's own shape; data == nullptr if unused
+  TensorRef probs;              // attention_probs output (batch..., n, m)
+
+  MaskKind mask_kind = MaskKind::kNone;
+  CausalKind causal = CausalKind::kNone;
+  double scale = 1.0;
+
+  // Dropout on the attention weights. A weight is kept iff its Philox draw is >= threshold,
+  // where threshold = floor(p * 2^32); kept weights are scaled by 1 / (1 - p).
+  double dropout_p = 0.0;
+  uint32_t dropout_threshold = 0;
+  uint64_t seed = 0;
+  uint64_t offset = 0;
+};
+
+}  // namespace attention_ext

@@ -1,0 +1,48 @@
+#include "build_info.h"
+
+#include <c10/util/StringUtil.h>
+#include <torch/version.h>
+
+#include <sstream>
+
+#include "cpu/cpu_dispatch.h"
+
+#ifndef ATTENTION_EXT_CUDA_ARCHS
+#define ATTENTION_EXT_CUDA_ARCHS ""
+#endif
+
+namespace attention_ext {
+
+std::string build_info() {
+  std::ostringstream os;
+  os << "torch_version=" << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << "."
+     << TORCH_VERSION_PATCH << "\n";
+#if defined(__clang__)
+  os << "compiler=clang " << __clang_version__ << "\n";
+#elif defined(__GNUC__)
+  os << "compiler=gcc " << __VERSION__ << "\n";
+#elif defined(_MSC_VER)
+  os << "compiler=msvc " << _MSC_VER << "\n";
+#endif
+#if defined(_OPENMP)
+  os << "openmp=" << _OPENMP << "\n";
+#else
+  os << "openmp=none\n";
+#endif
+  os << "cpu_variants_compiled=" << c10::Join(",", cpu::compiled_variants()) << "\n";
+  os << "cpu_variants_supported=" << c10::Join(",", cpu::supported_variants()) << "\n";
+  os << "cpu_variant=" << cpu::active_kernels().name << "\n";
+#if defined(ATTENTION_EXT_WITH_CUDA)
+  os << "cuda=1\n";
+#else
+  os << "cuda=0\n";
+#endif
+  os << "cuda_archs=" << ATTENTION_EXT_CUDA_ARCHS << "\n";
+  return os.str();
+}
+
+std::string cpu_variant() { return cpu::active_kernels().name; }
+
+std::string set_cpu_variant(std::string name) { return cpu::set_variant(name); }
+
+}  // namespace attention_ext

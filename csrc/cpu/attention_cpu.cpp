@@ -1,0 +1,181 @@
+// CPU implementations of the attention ops: validation -> AttentionParams -> kernel variant,
+// run over work items with at::parallel_for (torch's OpenMP pool, so torch.set_num_threads
+// applies). Work items are independent, so results do not depend on the thread count.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "../attention_binding.h"
+#include "../philox.h"
+#include "cpu_dispatch.h"
+
+namespace attention_ext {
+namespace cpu {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+void run_items(ItemFn fn, const AttentionParams& p, int64_t items) {
+  if (items <= 0) return;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) { fn(p, begin, end); });
+}
+
+int64_t owners_of(const AttentionParams& p, const TensorRef& grad) {
+  int64_t owned = 1;
+  for (int d = 0; d < p.batch_ndim; ++d)
+    if (!(p.batch_size[d] > 1 && grad.batch_stride[d] == 0)) owned *= p.batch_size[d];
+  return owned;
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "attention_ext: ", name, " must be a CPU tensor here, got ",
+              t.device());
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& v,
+                                                 const std::optional<at::Tensor>& attn_mask,
+                                                 double scale, int64_t causal, double dropout_p,
+                                                 const std::optional<at::Tensor>& rng_state) {
+  const AttentionShape shape =
+      check_attention_inputs(q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
+  at::Tensor out = at::empty(with_tail(shape.batch, {shape.n, shape.dv}), q.options());
+  at::Tensor lse = at::empty(with_tail(shape.batch, {shape.n}),
+                             q.options().dtype(lse_dtype(q.scalar_type())));
+  if (lse.numel() == 0) return {out, lse};
+  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
+  p.out = make_ref(out, shape.batch);
+  p.lse = make_row_ref(lse, shape.batch);
+  run_items(active_kernels().forward, p, p.batch_numel * ceil_div(shape.n, kBlockM));
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
+    const at::Tensor& out, const at::Tensor& lse, double scale, int64_t causal, double dropout_p,
+    const std::optional<at::Tensor>& rng_state, bool mask_requires_grad) {
+  const AttentionShape shape =
+      check_attention_inputs(q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
+  const auto out_shape = with_tail(shape.batch, {shape.n, shape.dv});
+  const auto lse_shape = with_tail(shape.batch, {shape.n});
+  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(out_shape) && grad_out.scalar_type() == q.scalar_type(),
+              "attention_ext: grad_out must have shape ", at::IntArrayRef(out_shape), " and dtype ",
+              q.scalar_type(), ", got ", grad_out.sizes(), " ", grad_out.scalar_type());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape) && out.scalar_type() == q.scalar_type(),
+              "attention_ext: out must have shape ", at::IntArrayRef(out_shape), " and dtype ",
+              q.scalar_type(), ", got ", out.sizes(), " ", out.scalar_type());
+  const at::ScalarType stat_dtype = lse_dtype(q.scalar_type());
+  TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape) && lse.scalar_type() == stat_dtype,
+              "attention_ext: lse must have shape ", at::IntArrayRef(lse_shape), " and dtype ",
+              stat_dtype, ", got ", lse.sizes(), " ", lse.scalar_type());
+  if (grad_lse.has_value())
+    TORCH_CHECK(grad_lse->sizes() == at::IntArrayRef(lse_shape),
+                "attention_ext: grad_lse must have shape ", at::IntArrayRef(lse_shape), ", got ",
+                grad_lse->sizes());
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{grad_out, "grad_out"},
+                                {out, "out"},
+                                {lse, "lse"}})
+    check_cpu(t, name);
+  TORCH_CHECK(!mask_requires_grad || (attn_mask.has_value() && attn_mask->is_floating_point()),
+              "attention_ext: a mask gradient needs a floating attn_mask");
+
+  at::Tensor gq = at::empty(q.sizes(), q.options());
+  at::Tensor gk = at::empty(k.sizes(), k.options());
+  at::Tensor gv = at::empty(v.sizes(), v.options());
+  at::Tensor gmask = mask_requires_grad ? at::zeros(attn_mask->sizes(), attn_mask->options())
+                                        : at::empty({0}, q.options());
+  if (lse.numel() == 0) return {gq.zero_(), gk.zero_(), gv.zero_(), gmask};  // no query rows
+
+  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
+  p.out = make_ref(out, shape.batch);
+  p.lse = make_row_ref(lse, shape.batch);
+  p.grad_out = make_ref(grad_out, shape.batch);
+  at::Tensor grad_lse_acc;
+  if (grad_lse.has_value()) {
+    grad_lse_acc = grad_lse->to(stat_dtype);
+    p.grad_lse = make_row_ref(grad_lse_acc, shape.batch);
+  }
+  at::Tensor delta = at::empty(lse_shape, lse.options());
+  p.delta = make_row_ref(delta, shape.batch);
+  p.grad_q = make_ref(gq, shape.batch);
+  p.grad_k = make_ref(gk, shape.batch);
+  p.grad_v = make_ref(gv, shape.batch);
+  at::Tensor gmask2 = gmask;
+  if (mask_requires_grad) {
+    while (gmask2.dim() < 2) gmask2 = gmask2.unsqueeze(0);
+    p.grad_mask = make_ref(gmask2, shape.batch);
+  }
+
+  const KernelTable& kernels = active_kernels();
+  const int64_t q_tiles = ceil_div(shape.n, kBlockM);
+  run_items(kernels.backward_delta, p, p.batch_numel * q_tiles);
+  if (gk.numel() > 0 || gv.numel() > 0)
+    run_items(kernels.backward_kv, p, owners_of(p, p.grad_k) * ceil_div(shape.m, kBlockN));
+  if (gq.numel() > 0) run_items(kernels.backward_q, p, owners_of(p, p.grad_q) * q_tiles);
+  if (mask_requires_grad && gmask.numel() > 0) {
+    const bool rows_bcast = shape.n > 1 && p.grad_mask.row_stride == 0;
+    run_items(kernels.backward_mask, p, owners_of(p, p.grad_mask) * (rows_bcast ? 1 : q_tiles));
+  }
+  return {gq, gk, gv, gmask};
+}
+
+at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
+                           const std::optional<at::Tensor>& attn_mask, double scale, int64_t causal) {
+  // A value tensor with no columns: the forward kernel then computes only the lse.
+  std::vector<int64_t> v_shape(k.sizes().begin(), k.sizes().end());
+  v_shape.back() = 0;
+  const at::Tensor v = at::empty(v_shape, k.options());
+  const AttentionShape shape = check_attention_inputs(q, k, v, attn_mask, scale, causal, 0.0, {});
+  const auto lse_pair = attention_fwd(q, k, v, attn_mask, scale, causal, 0.0, {});
+  at::Tensor probs = at::empty(with_tail(shape.batch, {shape.n, shape.m}), q.options());
+  if (probs.numel() == 0) return probs;
+  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, 0.0, {});
+  p.lse = make_row_ref(std::get<1>(lse_pair), shape.batch);
+  p.probs = make_ref(probs, shape.batch);
+  run_items(active_kernels().probabilities, p, p.batch_numel * ceil_div(shape.n, kBlockM));
+  return probs;
+}
+
+at::Tensor dropout_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_shape, int64_t n,
+                             int64_t m, double dropout_p) {
+  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
+              "attention_ext: rng_state must be an int64 tensor of 2 elements (seed, offset), got ",
+              rng_state.scalar_type(), " of shape ", rng_state.sizes());
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "attention_ext: dropout_p must be in [0, 1), got ",
+              dropout_p);
+  TORCH_CHECK(n >= 0 && m >= 0, "attention_ext: n and m must be >= 0, got ", n, " and ", m);
+  const at::Tensor state = rng_state.contiguous();
+  const uint64_t seed = static_cast<uint64_t>(state.data_ptr<int64_t>()[0]);
+  const uint64_t offset = static_cast<uint64_t>(state.data_ptr<int64_t>()[1]);
+  const uint32_t threshold = dropout_threshold(dropout_p);
+  std::vector<int64_t> shape(batch_shape.begin(), batch_shape.end());
+  int64_t batch = 1;
+  for (int64_t s : shape) batch *= s;
+  shape.push_back(n);
+  shape.push_back(m);
+  at::Tensor keep = at::empty(shape, rng_state.options().dtype(at::kBool));
+  bool* data = keep.data_ptr<bool>();
+  at::parallel_for(0, batch * n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / n, i = row % n;
+      for (int64_t j = 0; j < m; j += 4) {
+        const PhiloxWords w = dropout_words(seed, offset, static_cast<uint64_t>(b),
+                                            static_cast<uint64_t>(i), static_cast<uint64_t>(j));
+        for (int t = 0; t < 4 && j + t < m; ++t) data[row * m + j + t] = w.w[t] >= threshold;
+      }
+    }
+  });
+  return keep;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
+  m.impl("attention_fwd", &attention_fwd);
+  m.impl("attention_bwd", &attention_bwd);
+  m.impl("attention_probs", &attention_probs);
+  m.impl("dropout_keep_mask", &dropout_keep_mask);
+}
+
+}  // namespace cpu
+}  // namespace attention_ext

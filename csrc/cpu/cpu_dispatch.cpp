@@ -1,0 +1,93 @@
+#include "cpu_dispatch.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdlib>
+
+namespace attention_ext {
+namespace cpu {
+namespace {
+
+struct Variant {
+  const char* name;
+  const KernelTable& (*table)();
+  bool (*supported)();
+};
+
+#if defined(__x86_64__) || defined(_M_X64)
+bool has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+#endif
+bool always() { return true; }
+
+const std::vector<Variant>& variants() {  // best first
+  static const std::vector<Variant> all = {
+#if defined(__x86_64__) || defined(_M_X64)
+      {"avx512", &kernels_avx512, &has_avx512},
+      {"avx2", &kernels_avx2, &has_avx2},
+#endif
+      {"generic", &kernels_generic, &always},
+  };
+  return all;
+}
+
+const KernelTable* pick(const std::string& name) {
+  for (const Variant& v : variants()) {
+    if (name == "auto" ? v.supported() : name == v.name) {
+      TORCH_CHECK(v.supported(), "attention_ext: CPU kernel variant '", name,
+                  "' is not supported by this CPU; supported: ",
+                  c10::Join(", ", supported_variants()));
+      return &v.table();
+    }
+  }
+  TORCH_CHECK(false, "attention_ext: unknown CPU kernel variant '", name,
+              "'; expected 'auto' or one of: ", c10::Join(", ", compiled_variants()));
+}
+
+std::atomic<const KernelTable*>& active_slot() {
+  static std::atomic<const KernelTable*> slot{nullptr};
+  return slot;
+}
+
+}  // namespace
+
+const KernelTable& active_kernels() {
+  const KernelTable* t = active_slot().load(std::memory_order_acquire);
+  if (t == nullptr) {
+    const char* env = std::getenv("ATTENTION_EXT_CPU_ISA");
+    t = pick(env != nullptr && *env != '\0' ? std::string(env) : std::string("auto"));
+    active_slot().store(t, std::memory_order_release);
+  }
+  return *t;
+}
+
+std::vector<std::string> supported_variants() {
+  std::vector<std::string> names;
+  for (const Variant& v : variants())
+    if (v.supported()) names.emplace_back(v.name);
+  return names;
+}
+
+std::vector<std::string> compiled_variants() {
+  std::vector<std::string> names;
+  for (const Variant& v : variants()) names.emplace_back(v.name);
+  return names;
+}
+
+std::string set_variant(const std::string& name) {
+  const KernelTable* t = pick(name);
+  active_slot().store(t, std::memory_order_release);
+  return t->name;
+}
+
+}  // namespace cpu
+}  // namespace attention_ext

@@ -1,0 +1,47 @@
+// The CPU kernels of one instruction-set variant, as a table of plain functions.
+//
+// Each variant (avx512, avx2, generic) is the same source, attention_kernels.inc, compiled in its
+// own translation unit with its own target flags and namespace. The torch-facing binding picks a
+// table at run time from what the CPU supports, so code built for a wider ISA never runs on a CPU
+// without it. No torch headers here: the kernel TUs must not instantiate torch code.
+#pragma once
+#include <stdint.h>
+
+#include "../attention_params.h"
+
+namespace attention_ext {
+namespace cpu {
+
+// Query rows per work item and keys per inner tile. Fixed across variants, so the partition of
+// the work (and with it the bitwise result) depends only on the shape and the variant.
+constexpr int64_t kBlockM = 64;
+constexpr int64_t kBlockN = 64;
+
+// Each function processes work items [begin, end); items are independent and write disjoint
+// outputs, so any partition across threads gives bitwise identical results.
+using ItemFn = void (*)(const AttentionParams&, int64_t begin, int64_t end);
+
+struct KernelTable {
+  const char* name;
+  // items: batch_numel * ceil(n / kBlockM). Writes out, lse.
+  ItemFn forward;
+  // items: batch_numel * ceil(n / kBlockM). Writes delta = rowsum(dO * O) - dlse.
+  ItemFn backward_delta;
+  // items: (owners of k) * ceil(m / kBlockN). Writes grad_k, grad_v.
+  ItemFn backward_kv;
+  // items: (owners of q) * ceil(n / kBlockM). Writes grad_q.
+  ItemFn backward_q;
+  // items: (owners of the mask) * ceil(mask rows / kBlockM). Writes grad_mask.
+  ItemFn backward_mask;
+  // items: batch_numel * ceil(n / kBlockM). Writes probs from lse.
+  ItemFn probabilities;
+};
+
+const KernelTable& kernels_generic();
+#if defined(__x86_64__) || defined(_M_X64)
+const KernelTable& kernels_avx2();
+const KernelTable& kernels_avx512();
+#endif
+
+}  // namespace cpu
+}  // namespace attention_ext

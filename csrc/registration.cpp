@@ -1,0 +1,30 @@
+// The one place every op of the library is declared. Implementations register per device
+// (cpu/attention_cpu.cpp, cuda/attention_cuda.cpp); autograd and fake (meta) kernels are
+// registered from Python (attention_ext/_ops.py, attention_ext/function.py).
+//
+// causal: 0 = none, 1 = top-left (torch's is_causal), 2 = bottom-right (FlashAttention).
+// rng_state: int64 (seed, offset) on the inputs' device, required when dropout_p > 0.
+#include <torch/library.h>
+
+#include "build_info.h"
+
+TORCH_LIBRARY(attention_ext, m) {
+  m.def(
+      "attention_fwd(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float scale, "
+      "int causal, float dropout_p, Tensor? rng_state) -> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_bwd(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, "
+      "Tensor? attn_mask, Tensor out, Tensor lse, float scale, int causal, float dropout_p, "
+      "Tensor? rng_state, bool mask_requires_grad) -> (Tensor grad_query, Tensor grad_key, "
+      "Tensor grad_value, Tensor grad_mask)");
+  m.def(
+      "attention_probs(Tensor query, Tensor key, Tensor? attn_mask, float scale, int causal) -> "
+      "Tensor");
+  m.def(
+      "dropout_keep_mask(Tensor rng_state, int[] batch_shape, int n, int m, float dropout_p) -> "
+      "Tensor");
+  // Introspection and CPU kernel-variant control; no tensors, so one implementation for all.
+  m.def("build_info() -> str", &attention_ext::build_info);
+  m.def("cpu_variant() -> str", &attention_ext::cpu_variant);
+  m.def("set_cpu_variant(str name) -> str", &attention_ext::set_cpu_variant);
+}

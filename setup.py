@@ -1,0 +1,114 @@
+"""Build of attention_ext: the CPU kernels always, the CUDA kernels when torch has CUDA and nvcc
+is found (FORCE_CUDA=1 insists, FORCE_CPU=1 skips them).
+
+Build against the installed torch:  pip install --no-build-isolation .
+"""
+import glob
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+except ImportError:  # pragma: no cover - the message is the point
+    sys.exit(
+        "attention_ext builds against an installed PyTorch: install torch first, then run\n"
+        "  pip install --no-build-isolation .\n"
+        "(a CPU-only torch is enough for the CPU kernels, e.g. pip install torch==2.13.0)"
+    )
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+VERSION = "0.1.0"
+
+
+def _flag(name):
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def want_cuda():
+    if _flag("FORCE_CPU"):
+        return False
+    if _flag("FORCE_CUDA"):
+        if CUDA_HOME is None:
+            sys.exit("FORCE_CUDA=1 but no CUDA toolkit (nvcc) was found; set CUDA_HOME")
+        return True
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def rel(paths):
+    return sorted(os.path.relpath(p, ROOT) for p in paths)
+
+
+def extensions():
+    cpu_sources = rel(
+        glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
+    )
+    cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fvisibility=hidden"]
+    link_flags = ["-fopenmp"]
+    define_macros = []
+    if os.environ.get("ATTENTION_EXT_SANITIZE"):
+        # e.g. ATTENTION_EXT_SANITIZE=address,undefined for the sanitizer CI job
+        san = "-fsanitize=" + os.environ["ATTENTION_EXT_SANITIZE"]
+        cxx_flags = [f for f in cxx_flags if f != "-O3"] + ["-O1", "-g", "-fno-omit-frame-pointer", san]
+        link_flags.append(san)
+    if want_cuda():
+        cuda_sources = rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")) + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
+        archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        define_macros += [("ATTENTION_EXT_WITH_CUDA", None), ("ATTENTION_EXT_CUDA_ARCHS", '"%s"' % archs)]
+        nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr",
+                      "--threads", os.environ.get("NVCC_THREADS", "4")]
+        return [
+            CUDAExtension(
+                "attention_ext._C",
+                cpu_sources + cuda_sources,
+                include_dirs=[os.path.join(ROOT, "csrc")],
+                define_macros=define_macros,
+                extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+                extra_link_args=link_flags,
+            )
+        ]
+    return [
+        CppExtension(
+            "attention_ext._C",
+            cpu_sources,
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            define_macros=define_macros,
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=link_flags,
+        )
+    ]
+
+
+def write_build_config():
+    """Records the torch this build compiles against, so a mismatch fails with a clear message."""
+    with open(os.path.join(ROOT, "attention_ext", "_build_config.py"), "w") as f:
+        f.write('"""Written by setup.py at build time."""\n')
+        f.write("TORCH_VERSION = %r\n" % torch.__version__)
+        f.write("VERSION = %r\n" % VERSION)
+
+
+write_build_config()
+
+
+def long_description():
+    path = os.path.join(ROOT, "README.md")
+    return open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+
+
+setup(
+    name="attention_ext",
+    version=VERSION,
+    description="Fused scaled dot-product attention for PyTorch: the same kernels in fp64/fp32/fp16/bf16 on CPU and CUDA",
+    long_description=long_description(),
+    long_description_content_type="text/markdown",
+    license="BSD-3-Clause",
+    packages=find_packages(include=["attention_ext", "attention_ext.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4"],
+    extras_require={"plot": ["matplotlib"], "test": ["pytest", "numpy"]},
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    zip_safe=False,
+)
