@@ -198,10 +198,14 @@ AttentionParams make_params(const AttentionShape& shape, const at::Tensor& q, co
   p.causal = static_cast<CausalKind>(causal);
   p.dropout_p = dropout_p;
   p.dropout_threshold = dropout_threshold(dropout_p);
-  if (dropout_p > 0.0 && rng_state->is_cpu()) {
-    const at::Tensor state = rng_state->contiguous();
-    p.seed = static_cast<uint64_t>(state.data_ptr<int64_t>()[0]);
-    p.offset = static_cast<uint64_t>(state.data_ptr<int64_t>()[1]);
+  if (dropout_p > 0.0) {
+    TORCH_CHECK(rng_state->is_contiguous(), "attention_ext: rng_state must be contiguous");
+    if (rng_state->is_cpu()) {
+      p.seed = static_cast<uint64_t>(rng_state->data_ptr<int64_t>()[0]);
+      p.offset = static_cast<uint64_t>(rng_state->data_ptr<int64_t>()[1]);
+    } else {
+      p.rng_state_device = rng_state->data_ptr<int64_t>();
+    }
   }
   return p;
 }

@@ -62,6 +62,9 @@ struct AttentionParams {
   uint32_t dropout_threshold = 0;
   uint64_t seed = 0;
   uint64_t offset = 0;
+  // For device kernels: (seed, offset) read from device memory when non-null, so drawing them
+  // never synchronises the host with the GPU (and CUDA graphs replay fresh draws).
+  const int64_t* rng_state_device = nullptr;
 };
 
 }  // namespace attention_ext
