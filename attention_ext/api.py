@@ -29,7 +29,7 @@ def _check_tensor(t, name):
     if t.dim() < 2:
         raise ValueError(
             f"attention_ext: {name} must have at least 2 dims (..., length, head_dim), got shape {tuple(t.shape)}")
-    if t.device.type not in ("cpu", "cuda"):
+    if t.device.type not in ("cpu", "cuda", "meta"):
         raise NotImplementedError(f"attention_ext: {name} is on {t.device}; only CPU and CUDA tensors are supported")
 
 
@@ -186,8 +186,13 @@ def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa):
         key = key.expand(*kv_batch, *key.shape[-2:])
         value = value.expand(*kv_batch, *value.shape[-2:])
     rng_state = draw_rng_state(query.device) if dropout_p > 0 else None
-    out, lse = AttentionFunction.apply(query, key, value, attn_mask, scale, CAUSAL_KINDS[causal], dropout_p,
-                                       rng_state)
+    args = (query, key, value, attn_mask, scale, CAUSAL_KINDS[causal], dropout_p, rng_state)
+    if torch.compiler.is_compiling():
+        # Dynamo traces the op with its registered autograd (the same backward); the Function's
+        # jvp/vmap rules are for eager functorch transforms.
+        out, lse = ops.attention_fwd(*args)
+    else:
+        out, lse = AttentionFunction.apply(*args)
     if heads is not None:
         out = out.flatten(-4, -3)
         lse = lse.flatten(-3, -2)
@@ -217,13 +222,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def attention(query, key, value, *, attn_mask=None, causal: Optional[str] = None, scale=None, dropout_p=0.0,
               enable_gqa=False, return_lse=False):
     """Extended API. causal: None, "top_left" (torch's is_causal) or "bottom_right"
-    (FlashAttention's; key j visible to query i iff j <= i + m - n). With return_lse=True returns
+    (FlashAttention's; key j visible to query i iff j <= i + m - n); unlike the drop-in, causal
+    and attn_mask may be combined (a key takes part only if both allow it). With return_lse=True returns
     (out, lse), lse (..., n) the natural-log logsumexp of each row's scores (-inf for a row where
     no key takes part), float32 for float16/bfloat16/float32 inputs and float64 for float64; it
     is differentiable too."""
     _check_causal(causal)
-    if causal is not None and attn_mask is not None:
-        raise ValueError("attention_ext: pass either causal= or attn_mask=, not both")
     out, lse = _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa)
     return (out, lse) if return_lse else out
 
@@ -232,8 +236,6 @@ def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = Non
     """The exact attention probabilities W (..., n, m): rows sum to 1, masked entries are 0, rows
     with no visible key are all 0. Differentiable (backward composed in torch ops)."""
     _check_causal(causal)
-    if causal is not None and attn_mask is not None:
-        raise ValueError("attention_ext: pass either causal= or attn_mask=, not both")
     _check_tensor(query, "query")
     _check_tensor(key, "key")
     # Reuse the q/k/v checks with a value of no columns.

@@ -27,7 +27,8 @@ def causal_visibility(n: int, m: int, causal: Optional[str], device=None) -> Opt
 
 def masked_scores(query, key, attn_mask=None, *, causal=None, scale=None) -> torch.Tensor:
     """Scaled scores with the mask applied: -inf where a key does not take part."""
-    scale = 1.0 / math.sqrt(key.shape[-1]) if scale is None else scale
+    if scale is None:  # d_k = 0: every score is 0 whatever the scale
+        scale = 1.0 / math.sqrt(key.shape[-1]) if key.shape[-1] > 0 else 1.0
     s = torch.matmul(query, key.transpose(-1, -2)) * scale
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:

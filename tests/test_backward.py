@@ -1,0 +1,107 @@
+"""Backward: the fused softmax-Jacobian backward equals autograd through the reference."""
+import pytest
+import torch
+
+import attention_ext
+from attention_ext.reference import attention_reference
+
+from conftest import ATOL, rand
+
+
+def reference_grads(q, k, v, grad, **kw):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = attention_reference(q64, k64, v64, **kw)[0]
+    return torch.autograd.grad(out, (q64, k64, v64), grad.double())
+
+
+GRAD_SHAPES = [
+    ((2,), (2,), 7, 9, 4, 3),
+    ((2, 3), (2, 3), 70, 130, 16, 8),
+    ((1, 2), (1, 2), 65, 65, 64, 64),
+    ((3, 1), (1, 2), 5, 8, 3, 5),  # q broadcast over heads, k/v over batch
+    ((), (), 1, 1, 1, 1),
+    ((1,), (1,), 33, 17, 257, 2),
+]
+
+
+@pytest.mark.parametrize("shape", GRAD_SHAPES, ids=str)
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gradients_match_reference(shape, causal, dtype, cpu_variant):
+    qb, kb, n, m, dk, dv = shape
+    q = rand(*qb, n, dk, dtype=dtype, requires_grad=True)
+    k = rand(*kb, m, dk, dtype=dtype, requires_grad=True)
+    v = rand(*kb, m, dv, dtype=dtype, requires_grad=True)
+    out = attention_ext.attention(q, k, v, causal=causal)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = reference_grads(q, k, v, grad, causal=causal)
+    for name, g, w, t in zip("qkv", got, want, (q, k, v)):
+        assert g.shape == t.shape and g.dtype == dtype
+        w = torch.nan_to_num(w)  # reference NaN only on rows the library defines as 0
+        err = (g.double() - w).abs().max().item()
+        assert err <= ATOL[dtype] * 20, f"d{name}: {err:.3e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_gradients(dtype):
+    q, k, v = (rand(2, 2, 100, 32, dtype=dtype, requires_grad=True) for _ in range(3))
+    out = attention_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = reference_grads(q, k, v, grad, causal="top_left")
+    # Plain torch's own error in this dtype sets the budget (k = 4 for gradients).
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    lp = torch.autograd.grad(attention_reference(ql, kl, vl, causal="top_left", dtype=None)[0], (ql, kl, vl), grad)
+    for g, w, b in zip(got, want, lp):
+        budget = (b.double() - w).abs().max().item()
+        err = (g.double() - w).abs().max().item()
+        assert err <= max(4 * budget, ATOL[dtype]), (err, budget)
+
+
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("shape", [(1, 4, 5, 3, 2), (2, 3, 3, 4, 4), (1, 6, 2, 1, 3)], ids=str)
+def test_gradcheck_float64(shape, causal):
+    b, n, m, dk, dv = shape
+    q = rand(b, n, dk, requires_grad=True)
+    k = rand(b, m, dk, requires_grad=True)
+    v = rand(b, m, dv, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: attention_ext.attention(q, k, v, causal=causal), (q, k, v))
+
+
+def test_gradcheck_broadcast_batch_dims():
+    q = rand(2, 1, 3, 2, requires_grad=True)
+    k = rand(1, 3, 4, 2, requires_grad=True)
+    v = rand(1, 3, 4, 3, requires_grad=True)
+    assert torch.autograd.gradcheck(attention_ext.scaled_dot_product_attention, (q, k, v))
+
+
+def test_gradcheck_through_lse():
+    q, k, v = (rand(2, 4, 3, requires_grad=True) for _ in range(3))
+
+    def f(q, k, v):
+        out, lse = attention_ext.attention(q, k, v, return_lse=True)
+        return out, lse
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_grads_of_expanded_inputs_sum_over_the_expansion():
+    base_k = rand(1, 1, 9, 4, dtype=torch.float32, requires_grad=True)
+    k = base_k.expand(2, 3, 9, 4)
+    q = rand(2, 3, 5, 4, dtype=torch.float32, requires_grad=True)
+    v = rand(2, 3, 9, 4, dtype=torch.float32, requires_grad=True)
+    out = attention_ext.scaled_dot_product_attention(q, k, v)
+    out.sum().backward()
+    k64 = base_k.detach().double().requires_grad_()
+    ref = attention_reference(q.detach(), k64.expand(2, 3, 9, 4), v.detach())[0]
+    ref.sum().backward()
+    assert torch.allclose(base_k.grad.double(), k64.grad, atol=1e-5)
+
+
+def test_only_requested_gradients_are_returned():
+    q = rand(2, 5, 4, dtype=torch.float32, requires_grad=True)
+    k = rand(2, 6, 4, dtype=torch.float32)
+    v = rand(2, 6, 4, dtype=torch.float32)
+    attention_ext.scaled_dot_product_attention(q, k, v).sum().backward()
+    assert q.grad is not None and k.grad is None and v.grad is None

@@ -1,0 +1,138 @@
+"""Forward: the fused kernels compute softmax(Q Kᵀ · scale) V like the float64 reference."""
+import math
+
+import pytest
+import torch
+
+import attention_ext
+from attention_ext.reference import attention_reference
+
+from conftest import ATOL, assert_close_to_reference, rand
+
+F = torch.nn.functional
+
+
+def test_seed_worked_example():
+    q = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    k = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])
+    v = torch.tensor([[10.0, 0.0], [0.0, 10.0], [5.0, 5.0]])
+    out = attention_ext.scaled_dot_product_attention(q, k, v)
+    expected = torch.tensor([[6.15, 3.85], [3.85, 6.15], [5.0, 5.0]])
+    assert torch.allclose(out, expected, atol=6e-3)
+    # Exactly what the formula says, step by step, in float64.
+    s = (q.double() @ k.double().T) / math.sqrt(2)
+    w = torch.softmax(s, dim=-1)
+    assert torch.allclose(out.double(), w @ v.double(), atol=1e-6)
+    assert torch.allclose(attention_ext.attention_weights(q, k).double(), w, atol=1e-6)
+
+
+SHAPES = [
+    # (q batch, kv batch, n, m, dk, dv)
+    ((), (), 3, 3, 2, 2),
+    ((1,), (1,), 1, 1, 1, 1),
+    ((2, 3), (2, 3), 17, 33, 5, 7),
+    ((2, 3), (2, 3), 64, 64, 64, 64),
+    ((1, 2), (1, 2), 130, 257, 64, 32),
+    ((2,), (2,), 65, 1, 16, 16),
+    ((1, 2), (1, 2), 113, 127, 257, 3),
+    ((1, 1), (1, 1), 5, 9, 512, 512),
+    ((2, 1, 3), (1, 4, 1), 9, 11, 8, 8),  # batch dims broadcast both ways
+    ((2, 2, 2, 2), (2, 2, 2, 2), 6, 5, 4, 3),  # four leading dims
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_matches_reference(shape, dtype, causal, cpu_variant):
+    qb, kb, n, m, dk, dv = shape
+    q, k, v = rand(*qb, n, dk, dtype=dtype), rand(*kb, m, dk, dtype=dtype), rand(*kb, m, dv, dtype=dtype)
+    out, lse = attention_ext.attention(q, k, v, causal=causal, return_lse=True)
+    ref, ref_lse, _ = attention_reference(q, k, v, causal=causal)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    budget = None
+    if dtype in (torch.float16, torch.bfloat16):
+        budget = (attention_reference(q, k, v, causal=causal, dtype=None)[0].double() - ref).abs().max().item()
+    assert_close_to_reference(out, ref, dtype, budget)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= max(ATOL[dtype], 1e-5) * 10 if finite.any() else True
+
+
+@pytest.mark.parametrize("scale", [None, 0.0, 0.125, -0.7, 3.0, torch.tensor(0.5)])
+def test_scale(scale):
+    q, k, v = rand(2, 7, 6, dtype=torch.float32), rand(2, 9, 6, dtype=torch.float32), rand(2, 9, 4, dtype=torch.float32)
+    ours = attention_ext.scaled_dot_product_attention(q, k, v, scale=scale)
+    s = None if scale is None else float(scale)
+    torch_out = F.scaled_dot_product_attention(q, k, v, scale=s)
+    assert torch.allclose(ours, torch_out, atol=2e-6)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_drop_in_for_torch(is_causal):
+    q, k, v = rand(2, 4, 33, 16, dtype=torch.float32), rand(2, 4, 40, 16, dtype=torch.float32), rand(2, 4, 40, 8, dtype=torch.float32)
+    ours = attention_ext.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    theirs = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    assert torch.allclose(ours, theirs, atol=3e-6)
+
+
+def test_transposed_views_are_read_through_strides():
+    # (B, N, H, D).transpose(1, 2): the common layout coming out of a projection.
+    q = rand(2, 19, 3, 8, dtype=torch.float32).transpose(1, 2)
+    k = rand(2, 23, 3, 8, dtype=torch.float32).transpose(1, 2)
+    v = rand(2, 23, 3, 5, dtype=torch.float32).transpose(1, 2)
+    assert not q.is_contiguous()
+    out = attention_ext.scaled_dot_product_attention(q, k, v)
+    ref = attention_reference(q, k, v)[0]
+    assert_close_to_reference(out, ref, torch.float32)
+    # Non-unit last-dim stride too.
+    q2 = rand(2, 3, 8, 19, dtype=torch.float32).transpose(-1, -2)
+    out2 = attention_ext.scaled_dot_product_attention(q2, k, v)
+    assert_close_to_reference(out2, attention_reference(q2, k, v)[0], torch.float32)
+
+
+def test_stride_zero_expanded_inputs():
+    k = rand(1, 1, 31, 8, dtype=torch.float32).expand(2, 4, 31, 8)
+    v = rand(1, 1, 31, 8, dtype=torch.float32).expand(2, 4, 31, 8)
+    q = rand(2, 4, 13, 8, dtype=torch.float32)
+    out = attention_ext.scaled_dot_product_attention(q, k, v)
+    assert_close_to_reference(out, attention_reference(q, k, v)[0], torch.float32)
+
+
+def test_empty_sizes():
+    f32 = dict(dtype=torch.float32)
+    # n = 0: empty output
+    out = attention_ext.scaled_dot_product_attention(rand(2, 0, 4, **f32), rand(2, 5, 4, **f32), rand(2, 5, 3, **f32))
+    assert out.shape == (2, 0, 3)
+    # m = 0: zeros, lse -inf
+    out, lse = attention_ext.attention(rand(2, 3, 4, **f32), rand(2, 0, 4, **f32), rand(2, 0, 3, **f32), return_lse=True)
+    assert out.shape == (2, 3, 3) and torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()
+    # zero batch
+    out = attention_ext.scaled_dot_product_attention(rand(0, 2, 3, 4, **f32), rand(0, 2, 5, 4, **f32), rand(0, 2, 5, 3, **f32))
+    assert out.shape == (0, 2, 3, 3)
+    # d_v = 0 and d_k = 0
+    assert attention_ext.scaled_dot_product_attention(rand(3, 4, **f32), rand(5, 4, **f32), rand(5, 0, **f32)).shape == (3, 0)
+    # d_k = 0: every score is 0, so each row is the mean of the values
+    v = rand(5, 2, **f32)
+    out = attention_ext.scaled_dot_product_attention(rand(3, 0, **f32), rand(5, 0, **f32), v)
+    assert torch.allclose(out, v.mean(0, keepdim=True).expand(3, 2), atol=1e-6)
+
+
+def test_large_magnitudes_do_not_overflow():
+    q = rand(1, 8, 16, dtype=torch.float32, scale=1e3)
+    k = rand(1, 8, 16, dtype=torch.float32, scale=1e3)
+    v = rand(1, 8, 16, dtype=torch.float32)
+    out = attention_ext.scaled_dot_product_attention(q, k, v)
+    assert torch.isfinite(out).all()
+    ref = attention_reference(q, k, v)[0]
+    assert (out.double() - ref).abs().max() < 1e-3
+
+
+def test_output_is_convex_combination_of_values():
+    q, k, v = rand(3, 50, 8, dtype=torch.float32), rand(3, 70, 8, dtype=torch.float32), rand(3, 70, 6, dtype=torch.float32)
+    out = attention_ext.scaled_dot_product_attention(q, k, v)
+    lo = v.min(dim=-2, keepdim=True).values
+    hi = v.max(dim=-2, keepdim=True).values
+    assert (out >= lo - 1e-5).all() and (out <= hi + 1e-5).all()

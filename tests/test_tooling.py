@@ -1,0 +1,114 @@
+"""The ops work with PyTorch's tooling: opcheck, torch.compile, torch.export, meta tensors."""
+import pytest
+import torch
+
+import attention_ext
+from attention_ext.api import draw_rng_state
+
+from conftest import rand
+
+ops = torch.ops.attention_ext
+
+
+def fwd_samples():
+    f32 = torch.float32
+    yield (rand(2, 3, 5, 4, dtype=f32), rand(2, 3, 7, 4, dtype=f32), rand(2, 3, 7, 6, dtype=f32), None, 0.5, 0, 0.0, None)
+    yield (rand(3, 5, 4), rand(1, 7, 4), rand(1, 7, 3), rand(5, 7), 0.3, 2, 0.0, None)
+    yield (rand(2, 5, 4, dtype=f32), rand(2, 7, 4, dtype=f32), rand(2, 7, 3, dtype=f32),
+           torch.rand(2, 1, 7) > 0.3, 1.0, 0, 0.25, draw_rng_state("cpu"))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_forward(requires_grad):
+    for args in fwd_samples():
+        args = [a.clone().requires_grad_(requires_grad) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                for a in args]
+        torch.library.opcheck(ops.attention_fwd, args)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_backward(requires_grad):
+    q, k, v, mask = rand(2, 5, 4), rand(2, 7, 4), rand(2, 7, 3), rand(2, 5, 7)
+    out, lse = ops.attention_fwd(q, k, v, mask, 0.5, 1, 0.0, None)
+    args = [torch.randn_like(out), torch.randn_like(lse), q, k, v, mask, out, lse, 0.5, 1, 0.0, None, True]
+    args = [a.clone().requires_grad_(requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+    torch.library.opcheck(ops.attention_bwd, args)
+
+
+def test_opcheck_probs_and_dropout_mask():
+    torch.library.opcheck(ops.attention_probs, (rand(2, 5, 4, requires_grad=True), rand(2, 7, 4), None, 0.5, 2))
+    torch.library.opcheck(ops.dropout_keep_mask, (draw_rng_state("cpu"), [2, 3], 5, 7, 0.5))
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    torch._dynamo.reset()
+
+    def layer(q, k, v, bias):
+        return attention_ext.scaled_dot_product_attention(q, k, v, attn_mask=bias).relu().sum()
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    q, k, v = (rand(2, 2, 9, 8, dtype=torch.float32, requires_grad=True) for _ in range(3))
+    bias = rand(2, 9, 9, dtype=torch.float32, requires_grad=True)
+    loss = compiled(q, k, v, bias)
+    loss.backward()
+    grads = [t.grad.clone() for t in (q, k, v, bias)]
+    for t in (q, k, v, bias):
+        t.grad = None
+    layer(q, k, v, bias).backward()
+    assert torch.allclose(loss, layer(q, k, v, bias))
+    for g, t in zip(grads, (q, k, v, bias)):
+        assert torch.allclose(g, t.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [dict(is_causal=True), dict(enable_gqa=True), dict(dropout_p=0.3)], ids=str)
+def test_torch_compile_variants(kwargs):
+    torch._dynamo.reset()
+    f = lambda q, k, v: attention_ext.scaled_dot_product_attention(q, k, v, **kwargs)  # noqa: E731
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    q = rand(1, 4, 6, 8, dtype=torch.float32, requires_grad=True)
+    k = rand(1, 2, 6, 8, dtype=torch.float32, requires_grad=True)
+    v = rand(1, 2, 6, 8, dtype=torch.float32, requires_grad=True)
+    if not kwargs.get("enable_gqa"):
+        k, v = (rand(1, 4, 6, 8, dtype=torch.float32, requires_grad=True) for _ in range(2))
+    torch.manual_seed(3)
+    out = compiled(q, k, v)
+    out.sum().backward()
+    torch.manual_seed(3)
+    eager = f(q, k, v)
+    if "dropout_p" not in kwargs:  # compiled RNG draws may differ from eager; shape and grads suffice
+        assert torch.allclose(out, eager, atol=1e-6)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_torch_compile_inductor():
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: attention_ext.scaled_dot_product_attention(q, k, v, is_causal=True) * 2,
+                      fullgraph=True)
+    q, k, v = (rand(2, 3, 16, 8, dtype=torch.float32) for _ in range(3))
+    assert torch.allclose(f(q, k, v), attention_ext.scaled_dot_product_attention(q, k, v, is_causal=True) * 2)
+
+
+def test_torch_export():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 24)
+
+        def forward(self, x):
+            q, k, v = self.proj(x).unflatten(-1, (3, 2, 4)).unbind(-3)
+            return attention_ext.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                              is_causal=True)
+
+    model = Block()
+    x = torch.randn(2, 5, 8)
+    exported = torch.export.export(model, (x,))
+    assert torch.allclose(exported.module()(x), model(x))
+    assert "attention_ext.attention_fwd" in str(exported.graph)
+
+
+def test_meta_tensors_give_shapes_without_computing():
+    q = torch.empty(2, 4, 5, 8, device="meta")
+    k = torch.empty(2, 2, 7, 8, device="meta")
+    v = torch.empty(2, 2, 7, 3, device="meta")
+    out, lse = attention_ext.attention(q, k, v, enable_gqa=True, return_lse=True)
+    assert out.shape == (2, 4, 5, 3) and out.device.type == "meta" and lse.shape == (2, 4, 5)
