@@ -4,6 +4,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "../attention_binding.h"
 #include "../philox.h"
 #include "cpu_dispatch.h"
@@ -24,6 +27,18 @@ int64_t owners_of(const AttentionParams& p, const TensorRef& grad) {
   for (int d = 0; d < p.batch_ndim; ++d)
     if (!(p.batch_size[d] > 1 && grad.batch_stride[d] == 0)) owned *= p.batch_size[d];
   return owned;
+}
+
+// The fused backward (one pass per key owner) saves recomputing S and dP but parallelises only
+// over key owners; the split one parallelises over tiles. Both give bitwise identical results,
+// so the choice may follow the thread count. ATTENTION_EXT_CPU_BACKWARD=fused|split forces one.
+bool use_fused_backward(const AttentionParams& p, int64_t k_owners) {
+  if (owners_of(p, p.grad_q) != p.batch_numel) return false;  // query broadcast: dQ rows shared
+  if (p.n == 0 || p.m == 0) return false;
+  const char* env = std::getenv("ATTENTION_EXT_CPU_BACKWARD");
+  if (env != nullptr && std::string(env) == "fused") return true;
+  if (env != nullptr && std::string(env) == "split") return false;
+  return k_owners >= 2 * static_cast<int64_t>(at::get_num_threads());
 }
 
 void check_cpu(const at::Tensor& t, const char* name) {
@@ -109,9 +124,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   const KernelTable& kernels = active_kernels();
   const int64_t q_tiles = ceil_div(shape.n, kBlockM);
   run_items(kernels.backward_delta, p, p.batch_numel * q_tiles);
-  if (gk.numel() > 0 || gv.numel() > 0)
-    run_items(kernels.backward_kv, p, owners_of(p, p.grad_k) * ceil_div(shape.m, kBlockN));
-  if (gq.numel() > 0) run_items(kernels.backward_q, p, owners_of(p, p.grad_q) * q_tiles);
+  const int64_t k_owners = owners_of(p, p.grad_k);
+  if (use_fused_backward(p, k_owners)) {
+    run_items(kernels.backward_fused, p, k_owners);
+  } else {
+    if (gk.numel() > 0 || gv.numel() > 0)
+      run_items(kernels.backward_kv, p, k_owners * ceil_div(shape.m, kBlockN));
+    if (gq.numel() > 0) run_items(kernels.backward_q, p, owners_of(p, p.grad_q) * q_tiles);
+  }
   if (mask_requires_grad && gmask.numel() > 0) {
     const bool rows_bcast = shape.n > 1 && p.grad_mask.row_stride == 0;
     run_items(kernels.backward_mask, p, owners_of(p, p.grad_mask) * (rows_bcast ? 1 : q_tiles));

@@ -31,6 +31,9 @@ struct KernelTable {
   ItemFn backward_kv;
   // items: (owners of q) * ceil(n / kBlockM). Writes grad_q.
   ItemFn backward_q;
+  // items: owners of k (each covers all key tiles). Writes grad_q, grad_k, grad_v; needs a query
+  // that is not broadcast. Bitwise identical to backward_kv + backward_q.
+  ItemFn backward_fused;
   // items: (owners of the mask) * ceil(mask rows / kBlockM). Writes grad_mask.
   ItemFn backward_mask;
   // items: batch_numel * ceil(n / kBlockM). Writes probs from lse.
