@@ -44,10 +44,11 @@ def masked_scores(query, key, attn_mask=None, *, causal=None, scale=None) -> tor
 
 
 def softmax_lse(s: torch.Tensor):
-    """Row softmax and logsumexp with fully masked rows giving weights 0 and lse -inf."""
+    """Row softmax (max-subtracted, exact for scores of any magnitude) and logsumexp, with fully
+    masked rows giving weights 0 and lse -inf."""
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     empty = torch.isneginf(lse)
-    p = torch.where(empty, torch.zeros_like(s), torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse)))
+    p = torch.where(empty, torch.zeros_like(s), torch.softmax(torch.where(empty, torch.zeros_like(s), s), dim=-1))
     return p, lse.squeeze(-1)
 
 
@@ -78,7 +79,9 @@ def attention_reference(
     if dtype is not None:
         query, key, value = (t.to(dtype) for t in (query, key, value))
         if attn_mask is not None and attn_mask.dtype != torch.bool:
-            attn_mask = attn_mask.to(dtype)
+            # "Masked out" is decided in the mask's own dtype (its finfo.min), before widening.
+            lowest = attn_mask <= torch.finfo(attn_mask.dtype).min
+            attn_mask = attn_mask.to(dtype).masked_fill(lowest, float("-inf"))
     if enable_gqa:
         key, value = expand_gqa(query, key, value)
     s = masked_scores(query, key, attn_mask, causal=causal, scale=scale)

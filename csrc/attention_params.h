@@ -48,6 +48,11 @@ struct AttentionParams {
   TensorRef grad_out;           // backward inputs
   TensorRef grad_lse;           // optional gradient flowing into lse (data == nullptr if none)
   TensorRef delta;              // backward scratch: rowsum(dO * O) - dlse, accumulator type
+  // Backward / probabilities scratch, accumulator type, (batch..., n) each: P is rebuilt as
+  // 2^((s - shift_hi) - shift_lo) with s the log2-domain logit. Normally shift_hi = lse·log2(e)
+  // and shift_lo = 0; for rows whose lse is so large in magnitude that lse = max + log(sum)
+  // rounds away the log(sum) (e.g. -1e9 biases), the row max and log2(sum) are recomputed exactly.
+  TensorRef shift_hi, shift_lo;
   TensorRef grad_q, grad_k, grad_v;  // allocated with the inputs' own (unbroadcast) shapes
   TensorRef grad_mask;          // allocated with the mask's own shape; data == nullptr if unused
   TensorRef probs;              // attention_probs output (batch..., n, m)

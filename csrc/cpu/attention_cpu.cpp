@@ -112,6 +112,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   }
   at::Tensor delta = at::empty(lse_shape, lse.options());
   p.delta = make_row_ref(delta, shape.batch);
+  at::Tensor shift_hi = at::empty(lse_shape, lse.options()), shift_lo = at::empty(lse_shape, lse.options());
+  p.shift_hi = make_row_ref(shift_hi, shape.batch);
+  p.shift_lo = make_row_ref(shift_lo, shape.batch);
   p.grad_q = make_ref(gq, shape.batch);
   p.grad_k = make_ref(gk, shape.batch);
   p.grad_v = make_ref(gv, shape.batch);
@@ -123,6 +126,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
 
   const KernelTable& kernels = active_kernels();
   const int64_t q_tiles = ceil_div(shape.n, kBlockM);
+  run_items(kernels.row_shift, p, p.batch_numel * q_tiles);
   run_items(kernels.backward_delta, p, p.batch_numel * q_tiles);
   const int64_t k_owners = owners_of(p, p.grad_k);
   if (use_fused_backward(p, k_owners)) {
@@ -150,9 +154,15 @@ at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
   at::Tensor probs = at::empty(with_tail(shape.batch, {shape.n, shape.m}), q.options());
   if (probs.numel() == 0) return probs;
   AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, 0.0, {});
-  p.lse = make_row_ref(std::get<1>(lse_pair), shape.batch);
+  const at::Tensor& lse = std::get<1>(lse_pair);
+  p.lse = make_row_ref(lse, shape.batch);
+  at::Tensor shift_hi = at::empty_like(lse), shift_lo = at::empty_like(lse);
+  p.shift_hi = make_row_ref(shift_hi, shape.batch);
+  p.shift_lo = make_row_ref(shift_lo, shape.batch);
   p.probs = make_ref(probs, shape.batch);
-  run_items(active_kernels().probabilities, p, p.batch_numel * ceil_div(shape.n, kBlockM));
+  const int64_t items = p.batch_numel * ceil_div(shape.n, kBlockM);
+  run_items(active_kernels().row_shift, p, items);
+  run_items(active_kernels().probabilities, p, items);
   return probs;
 }
 

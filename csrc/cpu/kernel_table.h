@@ -25,6 +25,9 @@ struct KernelTable {
   const char* name;
   // items: batch_numel * ceil(n / kBlockM). Writes out, lse.
   ItemFn forward;
+  // items: batch_numel * ceil(n / kBlockM). Writes shift_hi/shift_lo from lse (recomputing the
+  // row max and sum exactly for rows of very large |lse|). Runs before backward and probs.
+  ItemFn row_shift;
   // items: batch_numel * ceil(n / kBlockM). Writes delta = rowsum(dO * O) - dlse.
   ItemFn backward_delta;
   // items: (owners of k) * ceil(m / kBlockN). Writes grad_k, grad_v.
