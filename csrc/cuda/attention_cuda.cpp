@@ -1,0 +1,170 @@
+// CUDA implementations of the attention ops: the same validation, output allocation and order of
+// passes as the CPU binding (cpu/attention_cpu.cpp), then the torch-free launchers of kernels.h
+// on the current stream. Nothing here synchronises with the device: dropout's (seed, offset) stay
+// in device memory (p.rng_state_device) and are read by the kernels. The stream comes from
+// c10/cuda/CUDAStream.h (what at::cuda::getCurrentCUDAStream forwards to), which keeps this file
+// free of the cuBLAS/cuSPARSE headers ATen/cuda/CUDAContext.h pulls in.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../attention_binding.h"
+#include "../philox.h"
+#include "kernels.h"
+
+namespace attention_ext {
+namespace cuda {
+namespace {
+
+void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.device().is_cuda() && t.device() == like.device(), "attention_ext: ", name,
+              " must be a CUDA tensor on ", like.device(), " here, got ", t.device());
+}
+
+void check_launch(cudaError_t err) {
+  C10_CUDA_CHECK(err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& v,
+                                                 const std::optional<at::Tensor>& attn_mask,
+                                                 double scale, int64_t causal, double dropout_p,
+                                                 const std::optional<at::Tensor>& rng_state) {
+  const AttentionShape shape =
+      check_attention_inputs(q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
+  check_cuda(q, q, "query");
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty(with_tail(shape.batch, {shape.n, shape.dv}), q.options());
+  at::Tensor lse = at::empty(with_tail(shape.batch, {shape.n}),
+                             q.options().dtype(lse_dtype(q.scalar_type())));
+  if (lse.numel() == 0) return {out, lse};
+  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
+  p.out = make_ref(out, shape.batch);
+  p.lse = make_row_ref(lse, shape.batch);
+  check_launch(attention_fwd_cuda(p, c10::cuda::getCurrentCUDAStream()));
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
+    const at::Tensor& out, const at::Tensor& lse, double scale, int64_t causal, double dropout_p,
+    const std::optional<at::Tensor>& rng_state, bool mask_requires_grad) {
+  const AttentionShape shape =
+      check_attention_inputs(q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
+  check_cuda(q, q, "query");
+  const auto out_shape = with_tail(shape.batch, {shape.n, shape.dv});
+  const auto lse_shape = with_tail(shape.batch, {shape.n});
+  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(out_shape) && grad_out.scalar_type() == q.scalar_type(),
+              "attention_ext: grad_out must have shape ", at::IntArrayRef(out_shape), " and dtype ",
+              q.scalar_type(), ", got ", grad_out.sizes(), " ", grad_out.scalar_type());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape) && out.scalar_type() == q.scalar_type(),
+              "attention_ext: out must have shape ", at::IntArrayRef(out_shape), " and dtype ",
+              q.scalar_type(), ", got ", out.sizes(), " ", out.scalar_type());
+  const at::ScalarType stat_dtype = lse_dtype(q.scalar_type());
+  TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape) && lse.scalar_type() == stat_dtype,
+              "attention_ext: lse must have shape ", at::IntArrayRef(lse_shape), " and dtype ",
+              stat_dtype, ", got ", lse.sizes(), " ", lse.scalar_type());
+  if (grad_lse.has_value())
+    TORCH_CHECK(grad_lse->sizes() == at::IntArrayRef(lse_shape),
+                "attention_ext: grad_lse must have shape ", at::IntArrayRef(lse_shape), ", got ",
+                grad_lse->sizes());
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{grad_out, "grad_out"},
+                                {out, "out"},
+                                {lse, "lse"}})
+    check_cuda(t, q, name);
+  if (grad_lse.has_value()) check_cuda(*grad_lse, q, "grad_lse");
+  TORCH_CHECK(!mask_requires_grad || (attn_mask.has_value() && attn_mask->is_floating_point()),
+              "attention_ext: a mask gradient needs a floating attn_mask");
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor gq = at::empty(q.sizes(), q.options());
+  at::Tensor gk = at::empty(k.sizes(), k.options());
+  at::Tensor gv = at::empty(v.sizes(), v.options());
+  at::Tensor gmask = mask_requires_grad ? at::zeros(attn_mask->sizes(), attn_mask->options())
+                                        : at::empty({0}, q.options());
+  if (lse.numel() == 0) return {gq.zero_(), gk.zero_(), gv.zero_(), gmask};  // no query rows
+
+  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
+  p.out = make_ref(out, shape.batch);
+  p.lse = make_row_ref(lse, shape.batch);
+  p.grad_out = make_ref(grad_out, shape.batch);
+  at::Tensor grad_lse_acc;
+  if (grad_lse.has_value()) {
+    grad_lse_acc = grad_lse->to(stat_dtype);
+    p.grad_lse = make_row_ref(grad_lse_acc, shape.batch);
+  }
+  at::Tensor delta = at::empty(lse_shape, lse.options());
+  p.delta = make_row_ref(delta, shape.batch);
+  p.grad_q = make_ref(gq, shape.batch);
+  p.grad_k = make_ref(gk, shape.batch);
+  p.grad_v = make_ref(gv, shape.batch);
+  at::Tensor gmask2 = gmask;
+  if (mask_requires_grad) {
+    while (gmask2.dim() < 2) gmask2 = gmask2.unsqueeze(0);
+    p.grad_mask = make_ref(gmask2, shape.batch);
+  }
+
+  BackwardPlan plan;
+  plan.kv = gk.numel() > 0 || gv.numel() > 0;
+  plan.q = gq.numel() > 0;
+  plan.mask = mask_requires_grad && gmask.numel() > 0;
+  check_launch(attention_bwd_cuda(p, plan, c10::cuda::getCurrentCUDAStream()));
+  return {gq, gk, gv, gmask};
+}
+
+at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
+                           const std::optional<at::Tensor>& attn_mask, double scale, int64_t causal) {
+  // A value tensor with no columns: the forward kernel then computes only the lse.
+  std::vector<int64_t> v_shape(k.sizes().begin(), k.sizes().end());
+  v_shape.back() = 0;
+  const at::Tensor v = at::empty(v_shape, k.options());
+  const AttentionShape shape = check_attention_inputs(q, k, v, attn_mask, scale, causal, 0.0, {});
+  check_cuda(q, q, "query");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto lse_pair = attention_fwd(q, k, v, attn_mask, scale, causal, 0.0, {});
+  at::Tensor probs = at::empty(with_tail(shape.batch, {shape.n, shape.m}), q.options());
+  if (probs.numel() == 0) return probs;
+  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, 0.0, {});
+  p.lse = make_row_ref(std::get<1>(lse_pair), shape.batch);
+  p.probs = make_ref(probs, shape.batch);
+  check_launch(attention_probs_cuda(p, c10::cuda::getCurrentCUDAStream()));
+  return probs;
+}
+
+at::Tensor dropout_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_shape, int64_t n,
+                             int64_t m, double dropout_p) {
+  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
+              "attention_ext: rng_state must be an int64 tensor of 2 elements (seed, offset), got ",
+              rng_state.scalar_type(), " of shape ", rng_state.sizes());
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "attention_ext: dropout_p must be in [0, 1), got ",
+              dropout_p);
+  TORCH_CHECK(n >= 0 && m >= 0, "attention_ext: n and m must be >= 0, got ", n, " and ", m);
+  const c10::cuda::CUDAGuard guard(rng_state.device());
+  const at::Tensor state = rng_state.contiguous();
+  std::vector<int64_t> shape(batch_shape.begin(), batch_shape.end());
+  int64_t batch = 1;
+  for (int64_t s : shape) batch *= s;
+  shape.push_back(n);
+  shape.push_back(m);
+  at::Tensor keep = at::empty(shape, rng_state.options().dtype(at::kBool));
+  if (keep.numel() == 0) return keep;
+  check_launch(dropout_keep_mask_cuda(state.data_ptr<int64_t>(), dropout_threshold(dropout_p), batch, n, m,
+                                      keep.data_ptr<bool>(), c10::cuda::getCurrentCUDAStream()));
+  return keep;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attention_ext, CUDA, m) {
+  m.impl("attention_fwd", &attention_fwd);
+  m.impl("attention_bwd", &attention_bwd);
+  m.impl("attention_probs", &attention_probs);
+  m.impl("dropout_keep_mask", &dropout_keep_mask);
+}
+
+}  // namespace cuda
+}  // namespace attention_ext

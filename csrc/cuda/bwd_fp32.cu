@@ -1,0 +1,12 @@
+// Backward kernels (delta, dK/dV, dQ, mask gradient) for float storage (SIMT path; see simt.cuh).
+#include "simt.cuh"
+
+namespace attention_ext {
+namespace cuda {
+
+cudaError_t backward_fp32(const AttentionParams& p, const BackwardPlan& plan, cudaStream_t stream) {
+  return simt::launch_backward<float>(p, plan, stream);
+}
+
+}  // namespace cuda
+}  // namespace attention_ext

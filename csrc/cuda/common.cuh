@@ -1,0 +1,212 @@
+// Device helpers shared by the CUDA attention kernels: storage <-> accumulator conversions, batch
+// indexing (the same BatchSplit ownership rule as the CPU kernels), causal geometry, logits and
+// the dropout stream. No torch headers: kernels see only AttentionParams.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "../attention_params.h"
+#include "../philox.h"
+
+namespace attention_ext {
+namespace cuda {
+
+constexpr double kLog2e = 1.4426950408889634;
+constexpr double kLn2 = 0.6931471805599453;
+
+// ---------------------------------------------------------------------------------------------
+// Storage types. Accumulation is float for fp32/fp16/bf16 and double for fp64 (as on the CPU).
+
+template <typename T>
+struct AccOf {
+  using type = float;
+};
+template <>
+struct AccOf<double> {
+  using type = double;
+};
+
+__device__ __forceinline__ double to_acc(double x) { return x; }
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Round to nearest even, like the CPU's from_acc.
+__device__ __forceinline__ void store_acc(double x, double* dst) { *dst = x; }
+__device__ __forceinline__ void store_acc(float x, float* dst) { *dst = x; }
+__device__ __forceinline__ void store_acc(float x, __half* dst) { *dst = __float2half_rn(x); }
+__device__ __forceinline__ void store_acc(float x, __nv_bfloat16* dst) { *dst = __float2bfloat16_rn(x); }
+
+// Lowest finite value of the storage type: an additive mask entry at or below it is "masked out".
+template <typename T>
+struct Lowest;
+template <>
+struct Lowest<double> {
+  static __device__ __forceinline__ double value() { return -1.7976931348623157e308; }
+};
+template <>
+struct Lowest<float> {
+  static __device__ __forceinline__ float value() { return -3.4028234663852886e38f; }
+};
+template <>
+struct Lowest<__half> {
+  static __device__ __forceinline__ float value() { return -65504.0f; }
+};
+template <>
+struct Lowest<__nv_bfloat16> {
+  static __device__ __forceinline__ float value() { return -3.3895313892515355e38f; }
+};
+
+__device__ __forceinline__ float exp2_acc(float x) { return exp2f(x); }
+__device__ __forceinline__ double exp2_acc(double x) { return exp2(x); }
+__device__ __forceinline__ float log2_acc(float x) { return log2f(x); }
+__device__ __forceinline__ double log2_acc(double x) { return log2(x); }
+
+template <typename A>
+__device__ __forceinline__ A neg_inf() {
+  return -static_cast<A>(INFINITY);
+}
+
+__host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// ---------------------------------------------------------------------------------------------
+// Batch indexing (mirrors the CPU kernels exactly).
+
+struct BatchSplit {
+  int num_owned_dims = 0, num_bcast_dims = 0;
+  int owned_dim[kMaxBatchDims] = {}, bcast_dim[kMaxBatchDims] = {};
+  int64_t num_owned = 1, num_bcast = 1;
+
+  __host__ __device__ BatchSplit(const AttentionParams& p, const TensorRef& grad) {
+    for (int d = 0; d < p.batch_ndim; ++d) {
+      if (p.batch_size[d] > 1 && grad.batch_stride[d] == 0) {
+        bcast_dim[num_bcast_dims++] = d;
+        num_bcast *= p.batch_size[d];
+      } else {
+        owned_dim[num_owned_dims++] = d;
+        num_owned *= p.batch_size[d];
+      }
+    }
+  }
+  __host__ __device__ void index(const AttentionParams& p, int64_t owned, int64_t bcast,
+                                 int64_t* idx) const {
+    for (int i = num_owned_dims - 1; i >= 0; --i) {
+      const int d = owned_dim[i];
+      idx[d] = owned % p.batch_size[d];
+      owned /= p.batch_size[d];
+    }
+    for (int i = num_bcast_dims - 1; i >= 0; --i) {
+      const int d = bcast_dim[i];
+      idx[d] = bcast % p.batch_size[d];
+      bcast /= p.batch_size[d];
+    }
+  }
+};
+
+__host__ __device__ __forceinline__ void unravel_batch(const AttentionParams& p, int64_t linear,
+                                                       int64_t* idx) {
+  for (int d = p.batch_ndim - 1; d >= 0; --d) {
+    idx[d] = linear % p.batch_size[d];
+    linear /= p.batch_size[d];
+  }
+}
+__host__ __device__ __forceinline__ int64_t ravel_batch(const AttentionParams& p, const int64_t* idx) {
+  int64_t linear = 0;
+  for (int d = 0; d < p.batch_ndim; ++d) linear = linear * p.batch_size[d] + idx[d];
+  return linear;
+}
+__host__ __device__ __forceinline__ int64_t batch_offset(const AttentionParams& p, const TensorRef& t,
+                                                         const int64_t* idx) {
+  int64_t off = 0;
+  for (int d = 0; d < p.batch_ndim; ++d) off += idx[d] * t.batch_stride[d];
+  return off;
+}
+
+__host__ __device__ __forceinline__ int64_t causal_shift(const AttentionParams& p) {
+  return p.causal == CausalKind::kBottomRight ? p.m - p.n : 0;
+}
+// Keys [0, end) can be visible to some row of the query rows [i0, i0 + rows).
+__host__ __device__ __forceinline__ int64_t visible_key_end(const AttentionParams& p, int64_t i0,
+                                                            int64_t rows) {
+  if (p.causal == CausalKind::kNone) return p.m;
+  return imax(0, imin(p.m, i0 + rows + causal_shift(p)));
+}
+// First query row that can see key j0.
+__host__ __device__ __forceinline__ int64_t first_row_seeing(const AttentionParams& p, int64_t j0) {
+  if (p.causal == CausalKind::kNone) return 0;
+  return imax(0, j0 - causal_shift(p));
+}
+
+// Number of work-item owners of a gradient tensor (positions of the batch dims it owns).
+inline int64_t owners_of(const AttentionParams& p, const TensorRef& grad) {
+  return BatchSplit(p, grad).num_owned;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-call constants every tile needs.
+
+template <typename T>
+struct DevCtx {
+  using A = typename AccOf<T>::type;
+  A scale_log2;  // scale * log2(e)
+  A inv_keep;    // 1 / (1 - p)
+  int64_t shift;
+  uint64_t seed, offset;
+  bool dropout;
+
+  __device__ explicit DevCtx(const AttentionParams& p)
+      : scale_log2(static_cast<A>(p.scale * kLog2e)),
+        inv_keep(static_cast<A>(1.0 / (1.0 - p.dropout_p))),
+        shift(causal_shift(p)),
+        seed(p.seed),
+        offset(p.offset),
+        dropout(p.dropout_p > 0.0) {
+    if (dropout && p.rng_state_device != nullptr) {
+      seed = static_cast<uint64_t>(p.rng_state_device[0]);
+      offset = static_cast<uint64_t>(p.rng_state_device[1]);
+    }
+  }
+
+  // Scaled, masked logit in log2 units of raw score s at (row i, key j) of the batch position
+  // whose mask offset is mask_base. valid = i < n && j < m; invalid entries become -inf.
+  __device__ __forceinline__ A logit(const AttentionParams& p, A s, int64_t i, int64_t j, bool valid,
+                                     int64_t mask_base) const {
+    if (!valid) return neg_inf<A>();
+    A x = s * scale_log2;
+    if (p.mask_kind == MaskKind::kAdditive) {
+      const T* mask = static_cast<const T*>(p.mask.data);
+      const A mv = to_acc(mask[mask_base + i * p.mask.row_stride + j * p.mask.col_stride]);
+      x = mv <= Lowest<T>::value() ? neg_inf<A>() : x + mv * static_cast<A>(kLog2e);
+    } else if (p.mask_kind == MaskKind::kBool) {
+      const uint8_t* mask = static_cast<const uint8_t*>(p.mask.data);
+      if (!mask[mask_base + i * p.mask.row_stride + j * p.mask.col_stride]) x = neg_inf<A>();
+    }
+    if (p.causal != CausalKind::kNone && j > i + shift) x = neg_inf<A>();
+    return x;
+  }
+
+  // Keep flags for keys [j4, j4 + 4) (j4 a multiple of 4) of row i, batch position b.
+  __device__ __forceinline__ PhiloxWords words(int64_t b, int64_t i, int64_t j4) const {
+    return dropout_words(seed, offset, static_cast<uint64_t>(b), static_cast<uint64_t>(i),
+                         static_cast<uint64_t>(j4));
+  }
+};
+
+// Dynamic shared memory above the default 48 KiB needs an opt-in per kernel.
+template <typename Kernel>
+inline cudaError_t prepare_smem(Kernel kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(bytes));
+}
+
+inline unsigned grid_for(int64_t items) {
+  return static_cast<unsigned>(imin(items, 0x7FFFFFFF));
+}
+
+}  // namespace cuda
+}  // namespace attention_ext
