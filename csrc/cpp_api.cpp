@@ -1,0 +1,190 @@
+// The typed C++ API of include/attention_ext/attention_ext.h: argument defaults and the same
+// normalisation as the Python package (attention_ext/api.py), then the registered ops through the
+// c10 dispatcher, so C++ callers get the same kernels, checks and device dispatch as Python.
+// Compiled into the CMake library and (via setup.py's csrc/*.cpp glob) into the Python
+// extension as well, so it uses ATen and the dispatcher only (no <torch/torch.h>).
+#ifndef ATTENTION_EXT_BUILDING_LIBRARY
+#define ATTENTION_EXT_BUILDING_LIBRARY 1  // (Windows: dllexport) also in the setup.py build
+#endif
+#include "../include/attention_ext/attention_ext.h"
+
+#include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace attention_ext {
+inline namespace api {
+namespace {
+
+using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                  const at::Tensor&,
+                                                  const std::optional<at::Tensor>&, double,
+                                                  int64_t, double,
+                                                  const std::optional<at::Tensor>&);
+using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+    double, int64_t, double, const std::optional<at::Tensor>&, bool);
+using ProbsSig = at::Tensor(const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, double, int64_t);
+using InfoSig = std::string();
+using SetVariantSig = std::string(std::string);
+
+// Looked up once; findSchemaOrThrow fails with torch's message if the library that registers
+// the ops (this one) is somehow not loaded.
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+const c10::TypedOperatorHandle<FwdSig>& fwd_op() {
+  static const auto handle = op<FwdSig>("attention_ext::attention_fwd");
+  return handle;
+}
+const c10::TypedOperatorHandle<BwdSig>& bwd_op() {
+  static const auto handle = op<BwdSig>("attention_ext::attention_bwd");
+  return handle;
+}
+const c10::TypedOperatorHandle<ProbsSig>& probs_op() {
+  static const auto handle = op<ProbsSig>("attention_ext::attention_probs");
+  return handle;
+}
+
+// Default scale 1/sqrt(d_k), 1 when d_k == 0 (every score is 0 then). Bad shapes are left to
+// the op, whose messages name the tensor.
+double resolve_scale(const at::Tensor& q, std::optional<double> scale) {
+  if (scale.has_value()) return *scale;
+  const int64_t dk = q.dim() >= 1 ? q.size(-1) : 0;
+  return dk > 0 ? 1.0 / std::sqrt(static_cast<double>(dk)) : 1.0;
+}
+
+// The backward kernels own dK/dV per key position, so the ops need key and value to have the
+// same batch dims: expand them to their common broadcast shape (views, no copy), as Python does.
+void expand_kv(at::Tensor& k, at::Tensor& v) {
+  if (k.dim() < 2 || v.dim() < 2) return;  // the op reports the shapes
+  const auto kb = k.sizes().slice(0, k.dim() - 2);
+  const auto vb = v.sizes().slice(0, v.dim() - 2);
+  if (kb == vb) return;
+  const std::vector<int64_t> batch = at::infer_size(kb, vb);
+  std::vector<int64_t> ks(batch), vs(batch);
+  ks.push_back(k.size(-2));
+  ks.push_back(k.size(-1));
+  vs.push_back(v.size(-2));
+  vs.push_back(v.size(-1));
+  k = k.expand(ks);
+  v = v.expand(vs);
+}
+
+// An optional holding an undefined tensor means "no mask" too.
+std::optional<at::Tensor> mask_or_none(const std::optional<at::Tensor>& attn_mask) {
+  if (attn_mask.has_value() && attn_mask->defined()) return attn_mask;
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v,
+                                                     const std::optional<at::Tensor>& attn_mask,
+                                                     std::optional<double> scale, Causal causal,
+                                                     double dropout_p,
+                                                     const std::optional<at::Tensor>& rng_state) {
+  at::Tensor key = k, value = v;
+  expand_kv(key, value);
+  return fwd_op().call(q, key, value, mask_or_none(attn_mask), resolve_scale(q, scale),
+                       static_cast<int64_t>(causal), dropout_p, rng_state);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+    std::optional<double> scale, Causal causal, double dropout_p,
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& grad_lse,
+    bool mask_requires_grad) {
+  at::Tensor key = k, value = v;
+  expand_kv(key, value);
+  auto [gq, gk, gv, gmask] =
+      bwd_op().call(grad_out, mask_or_none(grad_lse), q, key, value, mask_or_none(attn_mask), out, lse,
+                    resolve_scale(q, scale), static_cast<int64_t>(causal), dropout_p, rng_state,
+                    mask_requires_grad);
+  // Reduce the gradients of expanded key/value back to the caller's shapes.
+  if (gk.sizes() != k.sizes()) gk = gk.sum_to_size(k.sizes());
+  if (gv.sizes() != v.sizes()) gv = gv.sum_to_size(v.sizes());
+  if (!mask_requires_grad) gmask = at::Tensor();
+  return {gq, gk, gv, gmask};
+}
+
+at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v,
+                                        const std::optional<at::Tensor>& attn_mask,
+                                        double dropout_p, bool is_causal,
+                                        std::optional<double> scale, bool enable_gqa) {
+  TORCH_CHECK(!(is_causal && attn_mask.has_value() && attn_mask->defined()),
+              "attention_ext: attn_mask must be empty when is_causal=true (as in torch)");
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
+              "attention_ext: dropout_p must be in [0, 1), got ", dropout_p);
+  std::optional<at::Tensor> mask = mask_or_none(attn_mask);
+  const double s = resolve_scale(q, scale);
+
+  at::Tensor query = q, key = k, value = v;
+  bool split_heads = false;
+  if (enable_gqa) {
+    // torch's enable_gqa without copying K/V: the query heads Hq split into (Hkv, Hq/Hkv) and
+    // K/V gain a broadcast dim, so query head h reads key/value head h / (Hq/Hkv).
+    TORCH_CHECK(q.dim() >= 3 && k.dim() >= 3 && v.dim() >= 3,
+                "attention_ext: enable_gqa=true needs (..., heads, length, dim) inputs, got query ",
+                q.sizes(), ", key ", k.sizes(), ", value ", v.sizes());
+    const int64_t hq = q.size(-3), hk = k.size(-3), hv = v.size(-3);
+    TORCH_CHECK(hk == hv, "attention_ext: enable_gqa=true needs key and value to have the same ",
+                "number of heads, got key ", hk, " and value ", hv);
+    TORCH_CHECK(hk != 0 && hq % hk == 0, "attention_ext: enable_gqa=true needs the query heads (",
+                hq, ") to be a multiple of the key/value heads (", hk, ")");
+    if (hq != hk) {
+      const int64_t groups = hq / hk;
+      query = q.unflatten(-3, {hk, groups});
+      key = k.unsqueeze(-3);
+      value = v.unsqueeze(-3);
+      if (mask.has_value() && mask->dim() >= 3)
+        mask = mask->size(-3) == hq ? mask->unflatten(-3, {hk, groups}) : mask->unsqueeze(-3);
+      split_heads = true;
+    }
+  }
+  std::optional<at::Tensor> rng_state;
+  if (dropout_p > 0.0)
+    rng_state = at::randint(std::numeric_limits<int64_t>::min(),
+                            std::numeric_limits<int64_t>::max(), {2},
+                            at::TensorOptions().dtype(at::kLong).device(q.device()));
+  at::Tensor out = std::get<0>(attention_forward(query, key, value, mask, s,
+                                                 is_causal ? Causal::kTopLeft : Causal::kNone,
+                                                 dropout_p, rng_state));
+  return split_heads ? out.flatten(-4, -3) : out;
+}
+
+at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k,
+                             const std::optional<at::Tensor>& attn_mask,
+                             std::optional<double> scale, Causal causal) {
+  return probs_op().call(q, k, mask_or_none(attn_mask), resolve_scale(q, scale), static_cast<int64_t>(causal));
+}
+
+std::string build_info() {
+  static const auto handle = op<InfoSig>("attention_ext::build_info");
+  return handle.call();
+}
+
+std::string cpu_variant() {
+  static const auto handle = op<InfoSig>("attention_ext::cpu_variant");
+  return handle.call();
+}
+
+std::string set_cpu_variant(const std::string& name) {
+  static const auto handle = op<SetVariantSig>("attention_ext::set_cpu_variant");
+  return handle.call(name);
+}
+
+}  // namespace api
+}  // namespace attention_ext

@@ -1,0 +1,96 @@
+// attention_ext: typed C++ entry points for libtorch users.
+//
+// Every function here calls the registered ops (attention_ext::attention_fwd, ...) through the
+// c10 dispatcher, so C++ and Python run exactly the same kernels, checks and CPU/CUDA dispatch.
+// Link the CMake target AttentionExt::attention_ext (find_package(AttentionExt)); loading the
+// library registers the ops.
+//
+// These functions are not differentiable through torch's autograd (the autograd formulas are
+// registered from Python): call attention_backward() yourself, or use the Python package for
+// autograd. Shapes: q (..., n, d_k), k (..., m, d_k), v (..., m, d_v) -> out (..., n, d_v);
+// leading dims broadcast like torch. See the README's "Semantics" table for masks, causal kinds,
+// fully masked rows (output 0, lse -inf) and dropout.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#if defined(_WIN32)
+#if defined(ATTENTION_EXT_BUILDING_LIBRARY)
+#define ATTENTION_EXT_API __declspec(dllexport)
+#else
+#define ATTENTION_EXT_API __declspec(dllimport)
+#endif
+#else
+#define ATTENTION_EXT_API __attribute__((visibility("default")))
+#endif
+
+#define ATTENTION_EXT_VERSION_MAJOR 0
+#define ATTENTION_EXT_VERSION_MINOR 1
+#define ATTENTION_EXT_VERSION_PATCH 0
+
+namespace attention_ext {
+// The public API lives in an inline namespace: users write attention_ext::attention_forward, and
+// the exported symbols cannot collide with the library's internal functions of the same name.
+inline namespace api {
+
+// Causal alignment. kTopLeft: key j visible to query i iff j <= i (torch's is_causal).
+// kBottomRight: key j visible iff j <= i + (m - n) (FlashAttention, torch's causal_lower_right).
+// With attn_mask too, a key takes part only if both allow it.
+enum class Causal { kNone = 0, kTopLeft = 1, kBottomRight = 2 };
+
+// softmax(q kᵀ · scale + mask) v and the row logsumexp lse (..., n) of the masked scaled scores
+// (float64 for float64 inputs, float32 otherwise; -inf for a row where no key takes part).
+// attn_mask: bool (True = the key takes part) or the query's dtype (added to the scores), any
+//   shape broadcasting to (..., n, m).
+// scale: default 1/sqrt(d_k) (1 when d_k == 0).
+// dropout_p > 0 needs rng_state, an int64 (seed, offset) tensor of 2 elements on q's device; the
+//   same rng_state must be passed to attention_backward.
+// k and v may broadcast differently against each other; they are expanded (views, no copy).
+ATTENTION_EXT_API std::tuple<at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& attn_mask = {}, std::optional<double> scale = {},
+    Causal causal = Causal::kNone, double dropout_p = 0.0,
+    const std::optional<at::Tensor>& rng_state = {});
+
+// Gradients of attention_forward: returns (grad_q, grad_k, grad_v, grad_mask) with the shapes
+// of q, k, v and attn_mask. grad_mask is computed only when mask_requires_grad (needs a floating
+// attn_mask) and is an undefined tensor otherwise. out and lse are attention_forward's outputs
+// for the same arguments; grad_lse (optional) is the gradient flowing into lse.
+ATTENTION_EXT_API std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask = {}, std::optional<double> scale = {},
+    Causal causal = Causal::kNone, double dropout_p = 0.0,
+    const std::optional<at::Tensor>& rng_state = {},
+    const std::optional<at::Tensor>& grad_lse = {}, bool mask_requires_grad = false);
+
+// Drop-in for at::scaled_dot_product_attention (forward only): same arguments and semantics,
+// except that rows where no key takes part give 0 instead of NaN. is_causal means top-left
+// causal and needs attn_mask to be empty (as in torch). With dropout_p > 0 the (seed, offset)
+// pair is drawn with at::randint from the default generator of q's device, so at::manual_seed
+// makes it reproducible (and matches the Python package's draw).
+ATTENTION_EXT_API at::Tensor scaled_dot_product_attention(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& attn_mask = {}, double dropout_p = 0.0,
+    bool is_causal = false, std::optional<double> scale = {}, bool enable_gqa = false);
+
+// The exact attention probabilities (..., n, m): rows sum to 1, masked entries are 0, rows with no
+// visible key are all 0.
+ATTENTION_EXT_API at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k,
+                                               const std::optional<at::Tensor>& attn_mask = {},
+                                               std::optional<double> scale = {},
+                                               Causal causal = Causal::kNone);
+
+// "key=value" lines: torch version built against, compiler, OpenMP, CPU kernel variants, CUDA.
+ATTENTION_EXT_API std::string build_info();
+// The CPU kernel variant in use ("avx512", "avx2" or "generic").
+ATTENTION_EXT_API std::string cpu_variant();
+// Selects the CPU kernel variant ("auto" = the best this CPU supports); returns the active one.
+ATTENTION_EXT_API std::string set_cpu_variant(const std::string& name);
+
+}  // namespace api
+}  // namespace attention_ext
