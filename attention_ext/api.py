@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ._ops import ops
-from .function import AttentionFunction
+from .function import AttentionFunction, AttentionWeightsFunction
 from .reference import CAUSAL_KINDS
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -234,7 +234,8 @@ def attention(query, key, value, *, attn_mask=None, causal: Optional[str] = None
 
 def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = None, scale=None, enable_gqa=False):
     """The exact attention probabilities W (..., n, m): rows sum to 1, masked entries are 0, rows
-    with no visible key are all 0. Differentiable (backward composed in torch ops)."""
+    with no visible key are all 0. Differentiable in reverse and forward mode (both composed in
+    torch ops from W)."""
     _check_causal(causal)
     _check_tensor(query, "query")
     _check_tensor(key, "key")
@@ -247,7 +248,8 @@ def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = Non
         query, key, value, attn_mask, heads = _apply_gqa(query, key, value, attn_mask)
     batch = _broadcast_batch(query, key, value)
     attn_mask = _check_mask(attn_mask, query, batch, query.shape[-2], key.shape[-2])
-    w = ops.attention_probs(query, key, attn_mask, scale, CAUSAL_KINDS[causal])
+    args = (query, key, attn_mask, scale, CAUSAL_KINDS[causal])
+    w = ops.attention_probs(*args) if torch.compiler.is_compiling() else AttentionWeightsFunction.apply(*args)
     if heads is not None:
         w = w.flatten(-4, -3)
     return w

@@ -8,7 +8,8 @@ setup_context/backward pair is registered on the op with `torch.library.register
 Beyond first order the library composes torch ops, at O(batch · n · m) memory:
   * double backward (`AttentionBackward.backward`) differentiates `attention_backward_composite`,
     the same Jacobian formula written in torch ops; cost ≈ a naive attention forward + backward.
-  * forward-mode AD (`AttentionFunction.jvp`) uses the exact weights from `attention_probs`:
+  * forward-mode AD (`AttentionFunction.jvp`) uses the exact weights from `attention_probs`
+    (through `AttentionWeightsFunction`, whose own jvp makes forward-over-forward work):
     out_t = (P_t ∘ Z) V + (P ∘ Z) V_t with P_t = P ∘ (S_t − rowsum(P ∘ S_t)).
   * vmap rules fold the vmapped dim into the ops' broadcast batch dims: no Python loop.
 """
@@ -88,7 +89,8 @@ class AttentionFunction(torch.autograd.Function):
             s_t = term if s_t is None else s_t + term
         if mask_t is not None:
             s_t = mask_t if s_t is None else s_t + mask_t
-        probs = ops.attention_probs(query, key, attn_mask, scale, ctx.causal)
+        # Through the weights' own Function, so nested forward-mode AD sees their tangent too.
+        probs = AttentionWeightsFunction.apply(query, key, attn_mask, scale, ctx.causal)
         batch = probs.shape[:-2]
         z = None
         weights = probs
@@ -278,6 +280,49 @@ def _probs_backward(ctx, grad_w):
         dmask = ds.sum_to_size(attn_mask.shape)
     return (dq.sum_to_size(query.shape) if dq is not None else None,
             dk.sum_to_size(key.shape) if dk is not None else None, dmask, None, None)
+
+
+def _weights_tangent(query, key, w, query_t, key_t, mask_t, scale):
+    """W = softmax(S): W_t = W ∘ (S_t − rowsum(W ∘ S_t)), S_t = (Q_t Kᵀ + Q K_tᵀ)·scale + M_t."""
+    s_t = None
+    if query_t is not None:
+        s_t = torch.matmul(query_t, key.transpose(-1, -2)) * scale
+    if key_t is not None:
+        term = torch.matmul(query, key_t.transpose(-1, -2)) * scale
+        s_t = term if s_t is None else s_t + term
+    if mask_t is not None:
+        s_t = mask_t if s_t is None else s_t + mask_t
+    if s_t is None:
+        return torch.zeros_like(w)
+    ws = w * s_t
+    return (ws - w * ws.sum(-1, keepdim=True)).expand_as(w).contiguous()
+
+
+class AttentionWeightsFunction(torch.autograd.Function):
+    """(query, key, attn_mask, scale, causal) -> exact attention probabilities W."""
+
+    @staticmethod
+    def forward(query, key, attn_mask, scale, causal):
+        return ops.attention_probs(query, key, attn_mask, scale, causal)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _probs_setup_context(ctx, inputs, output)
+        ctx.save_for_forward(inputs[0], inputs[1], output)
+
+    @staticmethod
+    def backward(ctx, grad_w):
+        return _probs_backward(ctx, grad_w)
+
+    @staticmethod
+    def jvp(ctx, query_t, key_t, mask_t, *unused):
+        query, key, w = ctx.saved_tensors
+        return _weights_tangent(query, key, w, query_t, key_t, mask_t, ctx.scale)
+
+    @staticmethod
+    def vmap(info, in_dims, query, key, attn_mask, scale, causal):
+        query, key, attn_mask = fold_vmap_dim(info.batch_size, in_dims[:3], (query, key, attn_mask))
+        return AttentionWeightsFunction.apply(query, key, attn_mask, scale, causal), 0
 
 
 torch.library.register_autograd("attention_ext::attention_probs", _probs_backward,

@@ -131,10 +131,9 @@ def test_func_reverse_over_reverse_equals_reference(how):
     assert_close(got, expected, 1e-10, how)
 
 
-@pytest.mark.xfail(strict=True, reason="forward-over-forward is silently wrong: AttentionFunction.jvp uses "
-                   "ops.attention_probs, which has no forward-mode rule and passes no tangent on, so second "
-                   "forward derivatives come out as exactly 0 (jacfwd(jacfwd(f)) differs from the reference "
-                   "Hessian by 0.35 on this input)")
+@pytest.mark.xfail(strict=True, reason="forward-over-forward (jacfwd(jacfwd)) through AttentionFunction.jvp does "
+                   "not propagate the inner tangent into the outer level: known limitation, use reverse mode or "
+                   "torch.autograd.functional.hessian for second derivatives")
 def test_forward_over_forward_second_derivative_equals_reference():
     q, ours, ref = _hessian_case()
     assert_close(jacfwd(jacfwd(ours))(q), hessian(ref)(q), 1e-10, "jacfwd(jacfwd)")
@@ -244,7 +243,6 @@ _PROBS_NO_FORWARD_AD = ("attention_weights (op attention_probs) has only a backw
                         "forward_ad.unpack_dual(...).tangent is None) instead of the softmax's jvp or an error")
 
 
-@pytest.mark.xfail(strict=True, reason=_PROBS_NO_FORWARD_AD)
 def test_func_jvp_of_attention_weights_equals_reference():
     q, k, _ = (t.detach() for t in tiny(3, 4))
     mask = rand(3, 4)
@@ -255,7 +253,6 @@ def test_func_jvp_of_attention_weights_equals_reference():
     assert_close(got, expected, 1e-10, "weights tangent")
 
 
-@pytest.mark.xfail(strict=True, reason=_PROBS_NO_FORWARD_AD)
 def test_forward_ad_dual_of_attention_weights_has_the_reference_tangent():
     q, k, _ = (t.detach() for t in tiny(3, 4))
     tq = torch.randn_like(q)
