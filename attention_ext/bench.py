@@ -1,0 +1,559 @@
+#!/usr/bin/env python
+"""CPU benchmark: attention_ext vs torch SDPA vs a naive softmax(q k^T * scale) v composition.
+
+Run as `python -m attention_ext bench [options]` or `python benchmarks/bench_cpu.py [options]`.
+See benchmarks/README.md for the conventions; `--help` for options.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+# The directory holding the attention_ext package, for the memory-measuring child processes.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import attention_ext  # noqa: E402
+
+MIB = 1024.0 * 1024.0
+FMA_PEAK_NOTE_GFLOPS = 230.0  # nominal 2-thread AVX-512 FMA peak quoted for this machine (not measured)
+MEMCHECK_TARGET_MIB = 256.0
+
+# (B, H, n, m, d, causal, label)
+DEFAULT_SHAPES = [
+    (1, 8, 1024, 1024, 64, False, ""),
+    (4, 8, 512, 512, 64, False, ""),
+    (1, 8, 2048, 2048, 64, True, ""),
+    (1, 16, 1024, 1024, 128, False, ""),
+    (1, 25, 1024, 1024, 64, False, ""),
+    (8, 8, 1, 2048, 64, False, "decode"),
+]
+QUICK_SHAPE_IDX = [0, 2, 5]
+CANDIDATES = ["ours", "torch", "naive"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------------------------
+# shapes
+# ----------------------------------------------------------------------------------------------
+def shape_name(s):
+    B, H, n, m, d, causal, label = s
+    name = f"{B}x{H}x{n}x{m}x{d}" + ("c" if causal else "")
+    return name + (f" ({label})" if label else "")
+
+
+def parse_shape_spec(tok):
+    """'3' -> default shape #3; 'BxHxnxmxd' or 'BxHxnxmxdc' (c = causal) -> custom shape."""
+    tok = tok.strip()
+    if tok.isdigit():
+        i = int(tok)
+        if not 0 <= i < len(DEFAULT_SHAPES):
+            raise argparse.ArgumentTypeError(f"shape index {i} out of range 0..{len(DEFAULT_SHAPES) - 1}")
+        return DEFAULT_SHAPES[i]
+    causal = tok.lower().endswith("c")
+    body = tok[:-1] if causal else tok
+    parts = body.lower().split("x")
+    if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"bad shape {tok!r}: use an index or BxHxnxmxd[c], e.g. 1x8x1024x1024x64c")
+    B, H, n, m, d = map(int, parts)
+    return (B, H, n, m, d, causal, "")
+
+
+def fwd_flops(s):
+    B, H, n, m, d, causal, _ = s
+    f = 4.0 * B * H * n * m * d
+    return f * 0.5 if causal else f
+
+
+def mode_flops(s, mode):
+    return fwd_flops(s) * (1.0 if mode == "fwd" else 3.5)  # bwd = 2.5x fwd
+
+
+# ----------------------------------------------------------------------------------------------
+# candidates
+# ----------------------------------------------------------------------------------------------
+def make_naive(n, m, causal):
+    mask = None
+    if causal:  # top-left alignment, same as torch's is_causal; built once, outside the timed region
+        mask = ~torch.ones(n, m, dtype=torch.bool).tril()
+
+    def naive(q, k, v, is_causal=False):
+        s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        if mask is not None:
+            s = s.masked_fill(mask, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+    return naive
+
+
+def get_fn(name, s):
+    if name == "ours":
+        return attention_ext.scaled_dot_product_attention
+    if name == "torch":
+        return F.scaled_dot_product_attention
+    if name == "naive":
+        return make_naive(s[2], s[3], s[5])
+    raise ValueError(name)
+
+
+def make_inputs(s, dtype, requires_grad, seed=0):
+    B, H, n, m, d, causal, _ = s
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, n, d, generator=g).to(dtype)
+    k = torch.randn(B, H, m, d, generator=g).to(dtype)
+    v = torch.randn(B, H, m, d, generator=g).to(dtype)
+    go = torch.randn(B, H, n, d, generator=g).to(dtype)  # fixed random output gradient
+    for t in (q, k, v):
+        t.requires_grad_(requires_grad)
+    return q, k, v, go
+
+
+def make_step(fn, s, mode, q, k, v, go):
+    causal = s[5]
+    if mode == "fwd":
+        def step():
+            with torch.no_grad():
+                return fn(q, k, v, is_causal=causal)
+    else:
+        def step():
+            q.grad = k.grad = v.grad = None
+            out = fn(q, k, v, is_causal=causal)
+            out.backward(go)
+            return out
+    return step
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------------
+def time_shape(s, mode, dtype, cands, reps, warmup, min_sample_s):
+    """Warm up each candidate, then interleave A B C A B C ... for `reps` rounds.
+    Each sample runs `inner` calls back to back (inner chosen so a sample lasts >= min_sample_s)."""
+    q, k, v, go = make_inputs(s, dtype, requires_grad=(mode == "fwdbwd"))
+    steps, inner = {}, {}
+    for c in cands:
+        step = make_step(get_fn(c, s), s, mode, q, k, v, go)
+        steps[c] = step
+        t_w = float("inf")
+        for _ in range(max(1, warmup)):
+            t0 = time.perf_counter()
+            step()
+            t_w = min(t_w, time.perf_counter() - t0)
+        inner[c] = max(1, min(1000, int(math.ceil(min_sample_s / max(t_w, 1e-7)))))
+    samples = {c: [] for c in cands}
+    for _ in range(reps):
+        for c in cands:
+            step, r = steps[c], inner[c]
+            t0 = time.perf_counter()
+            for _ in range(r):
+                step()
+            samples[c].append((time.perf_counter() - t0) / r)
+    return samples, inner
+
+
+def check_close(s, dtype):
+    """Forward max-abs-diff of ours vs torch (sanity check, not timed)."""
+    q, k, v, _ = make_inputs(s, dtype, requires_grad=False, seed=1)
+    with torch.no_grad():
+        a = attention_ext.scaled_dot_product_attention(q, k, v, is_causal=s[5])
+        b = F.scaled_dot_product_attention(q, k, v, is_causal=s[5])
+    return (a.float() - b.float()).abs().max().item()
+
+
+def measure_sgemm_peak(n=2048, reps=10):
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    for _ in range(3):
+        torch.mm(a, b)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        ts.append(time.perf_counter() - t0)
+    flops = 2.0 * n ** 3
+    return {"n": n, "reps": reps, "median_s": statistics.median(ts), "best_s": min(ts),
+            "gflops_median": flops / statistics.median(ts) / 1e9, "gflops_best": flops / min(ts) / 1e9}
+
+
+# ----------------------------------------------------------------------------------------------
+# memory (fresh subprocess per measurement)
+# ----------------------------------------------------------------------------------------------
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def _reset_hwm():
+    """Resets VmHWM to the current RSS (Linux >= 4.0). Returns False if not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def mem_child(spec):
+    """Runs in a fresh interpreter: inputs + a small warm-up call, then one real call; prints JSON."""
+    import resource
+    s = tuple(spec["shape"])
+    dtype = DTYPES[spec["dtype"]]
+    mode, cand = spec["mode"], spec["cand"]
+    fn = get_fn(cand, s)
+    # warm-up on a tiny shape of the same kind: loads kernels, starts thread pools, etc.
+    tiny = (1, 1, min(s[2], 64), 64, s[4], s[5], "")
+    tq, tk, tv, tgo = make_inputs(tiny, dtype, requires_grad=(mode == "fwdbwd"))
+    make_step(get_fn(cand, tiny), tiny, mode, tq, tk, tv, tgo)()
+    del tq, tk, tv, tgo
+    q, k, v, go = make_inputs(s, dtype, requires_grad=(mode == "fwdbwd"))
+    step = make_step(fn, s, mode, q, k, v, go)
+    base_rss = _status_kib("VmRSS")
+    hwm_ok = _reset_hwm()
+    ru_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    out = step()
+    dt = time.perf_counter() - t0
+    if hwm_ok:
+        extra_kib = _status_kib("VmHWM") - base_rss
+        method = "VmHWM after clear_refs=5 minus VmRSS before the call"
+    else:  # high-water mark since process start: may under-report if RSS had dropped below it
+        extra_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - ru_before
+        method = "ru_maxrss delta (VmHWM reset not permitted; may under-report)"
+    esz = torch.empty((), dtype=dtype).element_size()
+    B, H, n, m, d = s[:5]
+    necessary = B * H * n * d * esz + (B * H * (n + 2 * m) * d * esz if mode == "fwdbwd" else 0)
+    del out
+    print(json.dumps({"extra_mib": extra_kib / 1024.0, "base_rss_mib": base_rss / 1024.0,
+                      "necessary_mib": necessary / MIB, "method": method, "seconds": dt}))
+
+
+def run_mem_child(s, mode, dtype_name, cand, timeout=1800):
+    spec = {"shape": list(s), "mode": mode, "dtype": dtype_name, "cand": cand}
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-m", "attention_ext.bench", "--_mem-child", json.dumps(spec)],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    if p.returncode != 0:
+        return {"error": (p.stderr or p.stdout).strip().splitlines()[-1:] or ["rc=%d" % p.returncode]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def memory_check(dtype_name="float32", n=32768, d=64):
+    s = (1, 1, n, n, d, True, "memory-check")
+    print(f"[memory-check] ours, {shape_name(s)}, {dtype_name}, forward+backward in a fresh subprocess ...",
+          flush=True)
+    r = run_mem_child(s, "fwdbwd", dtype_name, "ours")
+    if "error" in r:
+        print(f"[memory-check] FAILED: {r['error']}")
+        return {"shape": list(s), "error": r["error"]}
+    esz = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    inputs_mib = 4 * n * d * esz / MIB
+    ok = r["extra_mib"] < MEMCHECK_TARGET_MIB
+    r.update({"shape": list(s), "dtype": dtype_name, "inputs_mib": inputs_mib,
+              "target_mib": MEMCHECK_TARGET_MIB, "pass": ok,
+              "naive_scores_mib": n * n * esz / MIB})
+    print(f"[memory-check] extra peak RSS over inputs: {r['extra_mib']:.1f} MiB "
+          f"(of which out + dq/dk/dv = {r['necessary_mib']:.1f} MiB; inputs q,k,v,grad_out = {inputs_mib:.1f} MiB; "
+          f"target < {MEMCHECK_TARGET_MIB:.0f} MiB) -> {'PASS' if ok else 'FAIL'}; "
+          f"call took {r['seconds']:.1f} s; method: {r['method']}")
+    return r
+
+
+# ----------------------------------------------------------------------------------------------
+# reporting
+# ----------------------------------------------------------------------------------------------
+def fmt(x, spec):
+    return "–" if x is None else format(x, spec)
+
+
+def render_markdown(res):
+    L = []
+    meta = res["meta"]
+    pk = res["sgemm_peak"]
+    L.append(f"# attention_ext CPU benchmark ({meta['dtype']})\n")
+    L.append(f"- {meta['cpu']}; torch {meta['torch']} ({meta['torch_threads']} threads); "
+             f"attention_ext {meta['build_info'].get('version')} cpu_variant=`{meta['build_info'].get('cpu_variant')}`")
+    L.append(f"- command: `{meta['command']}`")
+    L.append(f"- load average before/after: {meta['loadavg_before']} / {meta.get('loadavg_after')}")
+    L.append(f"- reps={meta['reps']} (interleaved ours, torch, naive, ours, ... after {meta['warmup']} warm-up calls "
+             f"each; each sample >= {meta['min_sample_s'] * 1e3:.0f} ms of back-to-back calls); times are medians per call")
+    se = ""
+    if "start_gflops_median" in pk:
+        se = (f"; measured at the start ({pk['start_gflops_median']:.1f}) and at the end "
+              f"({pk['end_gflops_median']:.1f}) of the run, the higher one is used")
+    L.append(f"- fp32 peak reference: torch.mm {pk['n']}x{pk['n']} fp32 (MKL sgemm) = **{pk['gflops_median']:.1f} GFLOP/s** "
+             f"(median of {pk['reps']}; best {pk['gflops_best']:.1f}{se}); nominal 2-thread AVX-512 FMA peak "
+             f"~{FMA_PEAK_NOTE_GFLOPS:.0f} GFLOP/s (not measured)")
+    over = any(v > 100.0 for r in res["rows"] for v in r["pct_sgemm"].values())
+    busy = float(meta["loadavg_before"].split()[0]) > 0.5
+    if over or busy:
+        L.append("- **caution:** " + ("the machine was busy (1-min load > 0.5 before the run): absolute times and "
+                                      "GFLOP/s are depressed and noisy; the interleaved ratios are the robust part. "
+                                      if busy else "")
+                 + ("`% sgemm` above 100 means the sgemm reference was itself caught by load, not that attention "
+                    "beats GEMM." if over else ""))
+    L.append("- FLOPs: fwd = 4·B·H·n·m·d (×0.5 if causal); fwd+bwd = 3.5 × fwd. "
+             "`ours/torch`, `ours/naive` = throughput ratio (= their time / our time; > 1 means ours is faster)")
+    L.append("- shape = BxHxnxmxd, `c` = causal (top-left). `maxdiff` = max |ours − torch| of the forward output. "
+             "`spread %` = (max − min) / median over the reps, worst candidate of the row (a noise flag); "
+             "per-sample times, min/max and paired per-rep ratios are in the JSON")
+    if res.get("memory_method"):
+        L.append(f"- memory: extra peak RSS in MiB above the inputs (q, k, v, grad_out), one fresh subprocess per "
+                 f"(candidate, shape, mode), one call after a tiny warm-up; method: {res['memory_method']}. "
+                 f"Includes the output (and dq, dk, dv for fwd+bwd): that unavoidable part is the `need` column. "
+                 f"Page-granular, includes allocator slack.")
+    L.append("")
+    cands = meta["candidates"]
+    for mode in meta["modes"]:
+        rows = [r for r in res["rows"] if r["mode"] == mode]
+        if not rows:
+            continue
+        L.append(f"## {'forward' if mode == 'fwd' else 'forward + backward'}\n")
+        hdr = ["shape"] + [f"{c} ms" for c in cands] + [f"{c} GF/s" for c in cands] + ["ours % sgemm"]
+        hdr += ["ours/torch"] + (["ours/naive"] if "naive" in cands else [])
+        have_mem = any(r.get("mem") for r in rows)
+        if have_mem:
+            hdr += [f"{c} MiB" for c in cands] + ["need MiB"]
+        hdr += ["spread %", "maxdiff"]
+        L.append("| " + " | ".join(hdr) + " |")
+        L.append("|" + "|".join(["---"] + ["---:"] * (len(hdr) - 1)) + "|")
+        for r in rows:
+            cells = [r["shape_name"]]
+            cells += [fmt(r["median_ms"].get(c), ".3f") for c in cands]
+            cells += [fmt(r["gflops"].get(c), ".1f") for c in cands]
+            cells += [fmt(r["pct_sgemm"].get("ours"), ".1f")]
+            cells += [fmt(r["ratio"].get("ours/torch"), ".2f")]
+            if "naive" in cands:
+                cells += [fmt(r["ratio"].get("ours/naive"), ".2f")]
+            if have_mem:
+                m = r.get("mem") or {}
+                cells += [fmt((m.get(c) or {}).get("extra_mib"), ".1f") for c in cands]
+                need = next((v.get("necessary_mib") for v in m.values() if v and "necessary_mib" in v), None)
+                cells += [fmt(need, ".1f")]
+            cells += [fmt(r.get("spread_pct"), ".0f"), fmt(r.get("maxdiff"), ".1e")]
+            L.append("| " + " | ".join(cells) + " |")
+        L.append("")
+    if res.get("memory_check"):
+        L.append(render_memcheck(res["memory_check"]))
+    return "\n".join(L)
+
+
+def render_memcheck(mc):
+    L = ["## memory check (opt-in `--memory-check`)\n"]
+    if "error" in mc:
+        L.append(f"- FAILED: {mc['error']}")
+    else:
+        B, H, n, m, d = mc["shape"][:5]
+        L.append(f"- ours, B=H=1, n=m={n}, d={d}, causal, {mc['dtype']}, forward + backward (fixed random "
+                 f"grad_out), one call in a fresh subprocess after a tiny warm-up")
+        L.append(f"- extra peak RSS over the inputs: **{mc['extra_mib']:.1f} MiB** "
+                 f"(target < {mc['target_mib']:.0f} MiB: **{'PASS' if mc['pass'] else 'FAIL'}**); of which "
+                 f"output + dq/dk/dv = {mc['necessary_mib']:.1f} MiB; inputs q, k, v, grad_out = "
+                 f"{mc['inputs_mib']:.1f} MiB; a materialised n×m fp score matrix alone would be "
+                 f"{mc['naive_scores_mib']:.0f} MiB")
+        L.append(f"- wall time of the call: {mc['seconds']:.1f} s; method: {mc['method']}")
+    L.append("")
+    return "\n".join(L)
+
+
+def make_plot(res, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[plot] matplotlib is not installed; skipping --plot (pip install matplotlib to enable it)")
+        return False
+    modes = res["meta"]["modes"]
+    cands = res["meta"]["candidates"]
+    fig, axes = plt.subplots(len(modes), 1, figsize=(11, 4.2 * len(modes)), squeeze=False)
+    peak = res["sgemm_peak"]["gflops_median"]
+    for ax, mode in zip(axes[:, 0], modes):
+        rows = [r for r in res["rows"] if r["mode"] == mode]
+        w = 0.8 / len(cands)
+        for j, c in enumerate(cands):
+            xs = [i + (j - (len(cands) - 1) / 2) * w for i in range(len(rows))]
+            ax.bar(xs, [r["gflops"].get(c) or 0 for r in rows], w, label=c)
+        ax.axhline(peak, color="k", ls="--", lw=1, label=f"sgemm {peak:.0f} GF/s")
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels([r["shape_name"] for r in rows], fontsize=8)
+        ax.set_ylabel("GFLOP/s")
+        ax.set_title(f"{'forward' if mode == 'fwd' else 'forward + backward'} ({res['meta']['dtype']})")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"[plot] wrote {path}")
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    ap.add_argument("--mode", choices=["fwd", "fwdbwd", "both"], default="both")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per candidate (default 7, --quick 3)")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up calls per candidate before timing")
+    ap.add_argument("--min-sample-ms", type=float, default=None,
+                    help="each timed sample loops calls until it lasts this long (default 50, --quick 20)")
+    ap.add_argument("--quick", action="store_true", help=f"3 reps, shapes {QUICK_SHAPE_IDX}, shorter samples")
+    ap.add_argument("--shapes", default=None,
+                    help="comma list of default-shape indices and/or BxHxnxmxd[c] specs (see --list-shapes)")
+    ap.add_argument("--list-shapes", action="store_true")
+    ap.add_argument("--no-naive", action="store_true")
+    ap.add_argument("--no-memory", action="store_true", help="skip the per-(candidate, shape) memory subprocesses")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json (and PREFIX.png with --plot)")
+    ap.add_argument("--plot", action="store_true", help="PNG of GFLOP/s (needs matplotlib and --out)")
+    ap.add_argument("--memory-check", action="store_true",
+                    help="separate, opt-in mode: only the 32768x32768 causal fwd+bwd memory check of ours (slow). "
+                         "With --out PREFIX and an existing PREFIX.json from a benchmark run, the result is added "
+                         "to it and PREFIX.md is re-rendered; otherwise PREFIX.md/.json hold just the check")
+    ap.add_argument("--memory-check-n", type=int, default=32768, help=argparse.SUPPRESS)
+    ap.add_argument("--_mem-child", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a._mem_child is not None:
+        mem_child(json.loads(a._mem_child))
+        return 0
+    if a.list_shapes:
+        for i, s in enumerate(DEFAULT_SHAPES):
+            print(f"{i}: {shape_name(s)}  fwd {fwd_flops(s) / 1e9:.2f} GFLOP")
+        return 0
+
+    if a.memory_check:
+        r = memory_check(a.dtype, n=a.memory_check_n)
+        if a.out:
+            res = {}
+            if os.path.exists(a.out + ".json"):
+                with open(a.out + ".json") as f:
+                    res = json.load(f)
+            res["memory_check"] = r
+            with open(a.out + ".json", "w") as f:
+                json.dump(res, f, indent=2)
+            md = render_markdown(res) if "rows" in res else render_memcheck(r)
+            with open(a.out + ".md", "w") as f:
+                f.write(md + "\n")
+            print(f"[memory-check] wrote {a.out}.md and {a.out}.json")
+        return 0 if r.get("pass") else 1
+
+    reps = a.reps if a.reps is not None else (3 if a.quick else 7)
+    min_sample_s = (a.min_sample_ms if a.min_sample_ms is not None else (20 if a.quick else 50)) / 1e3
+    if a.shapes:
+        try:
+            shapes = [parse_shape_spec(t) for t in a.shapes.split(",") if t.strip()]
+        except argparse.ArgumentTypeError as e:
+            ap.error(str(e))
+    else:
+        shapes = [DEFAULT_SHAPES[i] for i in QUICK_SHAPE_IDX] if a.quick else list(DEFAULT_SHAPES)
+    modes = ["fwd", "fwdbwd"] if a.mode == "both" else [a.mode]
+    cands = [c for c in CANDIDATES if not (a.no_naive and c == "naive")]
+    dtype = DTYPES[a.dtype]
+
+    meta = {"dtype": a.dtype, "modes": modes, "candidates": cands, "reps": reps, "warmup": a.warmup,
+            "min_sample_s": min_sample_s, "cpu": cpu_name(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "build_info": attention_ext.build_info(),
+            "python": platform.python_version(), "command": " ".join(["python"] + sys.argv),
+            "loadavg_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(f"[bench] {meta['cpu']} | torch {meta['torch']} threads={meta['torch_threads']} | "
+          f"ours variant={meta['build_info'].get('cpu_variant')} | dtype={a.dtype} reps={reps}", flush=True)
+    if os.getloadavg()[0] > 0.5:
+        print(f"[bench] WARNING: 1-min load average is {os.getloadavg()[0]:.2f}; other processes compete for the "
+              f"cores, so absolute numbers will be low and noisy (ratios from interleaved runs hold up better)",
+              flush=True)
+    peak = measure_sgemm_peak()
+    print(f"[bench] fp32 peak reference (torch.mm 2048^2, MKL sgemm): {peak['gflops_median']:.1f} GFLOP/s "
+          f"(best {peak['gflops_best']:.1f}); nominal FMA peak ~{FMA_PEAK_NOTE_GFLOPS:.0f} GFLOP/s", flush=True)
+
+    rows = []
+    for s in shapes:
+        maxdiff = check_close(s, dtype)
+        for mode in modes:
+            samples, inner = time_shape(s, mode, dtype, cands, reps, a.warmup, min_sample_s)
+            fl = mode_flops(s, mode)
+            med = {c: statistics.median(samples[c]) for c in cands}
+            row = {"shape": list(s), "shape_name": shape_name(s), "mode": mode, "flops": fl,
+                   "inner": inner, "samples_s": samples, "maxdiff": maxdiff,
+                   "median_ms": {c: med[c] * 1e3 for c in cands},
+                   "min_ms": {c: min(samples[c]) * 1e3 for c in cands},
+                   "max_ms": {c: max(samples[c]) * 1e3 for c in cands},
+                   "spread_pct": max(100.0 * (max(samples[c]) - min(samples[c])) / med[c] for c in cands),
+                   "gflops": {c: fl / med[c] / 1e9 for c in cands},
+                   "pct_sgemm": {c: 100.0 * fl / med[c] / 1e9 / peak["gflops_median"] for c in cands},
+                   "ratio": {}, "paired_ratio_median": {}}
+            for other in cands[1:]:
+                row["ratio"][f"ours/{other}"] = med[other] / med["ours"]
+                row["paired_ratio_median"][f"ours/{other}"] = statistics.median(
+                    b / o for o, b in zip(samples["ours"], samples[other]))
+            rows.append(row)
+            print(f"[bench] {mode:6s} {shape_name(s):24s} " +
+                  "  ".join(f"{c} {med[c] * 1e3:8.3f} ms {row['gflops'][c]:6.1f} GF/s" for c in cands) +
+                  "  ours/torch %.2f" % row["ratio"]["ours/torch"] +
+                  ("  ours/naive %.2f" % row["ratio"]["ours/naive"] if "naive" in cands else ""), flush=True)
+    meta["loadavg_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    # second sgemm measurement at the end: on a shared machine a single one can be caught by a burst of
+    # load; the reference is the better (higher) of the two medians, both are reported
+    peak_end = measure_sgemm_peak()
+    print(f"[bench] fp32 sgemm reference again at the end: {peak_end['gflops_median']:.1f} GFLOP/s", flush=True)
+    peak = dict(peak_end if peak_end["gflops_median"] > peak["gflops_median"] else peak,
+                start_gflops_median=peak["gflops_median"], end_gflops_median=peak_end["gflops_median"])
+    for row in rows:
+        row["pct_sgemm"] = {c: 100.0 * row["gflops"][c] / peak["gflops_median"] for c in cands}
+
+    res = {"meta": meta, "sgemm_peak": peak, "fma_peak_note_gflops": FMA_PEAK_NOTE_GFLOPS, "rows": rows}
+    if not a.no_memory:
+        print("[bench] memory: one fresh subprocess per (candidate, shape, mode) ...", flush=True)
+        for row in rows:
+            s = tuple(row["shape"])
+            row["mem"] = {c: run_mem_child(s, row["mode"], a.dtype, c) for c in cands}
+            res["memory_method"] = next((v["method"] for v in row["mem"].values() if "method" in v),
+                                        res.get("memory_method"))
+            print(f"[bench] memory {row['mode']:6s} {row['shape_name']:24s} " + "  ".join(
+                f"{c} {fmt(v.get('extra_mib'), '.1f')} MiB" if "error" not in v else f"{c} ERROR {v['error']}"
+                for c, v in row["mem"].items()), flush=True)
+    md = render_markdown(res)
+    print()
+    print(md)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out + ".md", "w") as f:
+            f.write(md + "\n")
+        with open(a.out + ".json", "w") as f:
+            json.dump(res, f, indent=2)
+        print(f"[bench] wrote {a.out}.md and {a.out}.json")
+        if a.plot:
+            make_plot(res, a.out + ".png")
+    elif a.plot:
+        print("[plot] --plot needs --out PREFIX; skipping")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
