@@ -81,14 +81,7 @@ class AttentionFunction(torch.autograd.Function):
     def jvp(ctx, query_t, key_t, value_t, mask_t, *unused):
         query, key, value, attn_mask, rng_state = ctx.saved_tensors
         scale = ctx.scale
-        s_t = None
-        if query_t is not None:
-            s_t = torch.matmul(query_t, key.transpose(-1, -2)) * scale
-        if key_t is not None:
-            term = torch.matmul(query, key_t.transpose(-1, -2)) * scale
-            s_t = term if s_t is None else s_t + term
-        if mask_t is not None:
-            s_t = mask_t if s_t is None else s_t + mask_t
+        s_t = _score_tangent(query, key, query_t, key_t, mask_t, scale)
         # Through the weights' own Function, so nested forward-mode AD sees their tangent too.
         probs = AttentionWeightsFunction.apply(query, key, attn_mask, scale, ctx.causal)
         batch = probs.shape[:-2]
@@ -126,6 +119,19 @@ class AttentionFunction(torch.autograd.Function):
                                                      (query, key, value, attn_mask))
         out, lse = AttentionFunction.apply(query, key, value, attn_mask, scale, causal, dropout_p, rng_state)
         return (out, lse), (0, 0)
+
+
+def _score_tangent(query, key, query_t, key_t, mask_t, scale):
+    """S_t = (Q_t Kᵀ + Q K_tᵀ)·scale + M_t for the tangents given (None if none are)."""
+    s_t = None
+    if query_t is not None:
+        s_t = torch.matmul(query_t, key.transpose(-1, -2)) * scale
+    if key_t is not None:
+        term = torch.matmul(query, key_t.transpose(-1, -2)) * scale
+        s_t = term if s_t is None else s_t + term
+    if mask_t is not None:
+        s_t = mask_t if s_t is None else s_t + mask_t
+    return s_t
 
 
 def fold_vmap_dim(size, dims, tensors):
@@ -283,15 +289,8 @@ def _probs_backward(ctx, grad_w):
 
 
 def _weights_tangent(query, key, w, query_t, key_t, mask_t, scale):
-    """W = softmax(S): W_t = W ∘ (S_t − rowsum(W ∘ S_t)), S_t = (Q_t Kᵀ + Q K_tᵀ)·scale + M_t."""
-    s_t = None
-    if query_t is not None:
-        s_t = torch.matmul(query_t, key.transpose(-1, -2)) * scale
-    if key_t is not None:
-        term = torch.matmul(query, key_t.transpose(-1, -2)) * scale
-        s_t = term if s_t is None else s_t + term
-    if mask_t is not None:
-        s_t = mask_t if s_t is None else s_t + mask_t
+    """W = softmax(S): W_t = W ∘ (S_t − rowsum(W ∘ S_t))."""
+    s_t = _score_tangent(query, key, query_t, key_t, mask_t, scale)
     if s_t is None:
         return torch.zeros_like(w)
     ws = w * s_t
