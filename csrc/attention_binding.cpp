@@ -210,4 +210,77 @@ AttentionParams make_params(const AttentionShape& shape, const at::Tensor& q, co
   return p;
 }
 
+BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
+                              const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const std::optional<at::Tensor>& attn_mask, const at::Tensor& out,
+                              const at::Tensor& lse, double scale, int64_t causal, double dropout_p,
+                              const std::optional<at::Tensor>& rng_state, bool mask_requires_grad) {
+  BackwardCall call;
+  call.shape = check_attention_inputs(q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
+  const AttentionShape& shape = call.shape;
+  const auto out_shape = with_tail(shape.batch, {shape.n, shape.dv});
+  const auto lse_shape = with_tail(shape.batch, {shape.n});
+  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(out_shape) && grad_out.scalar_type() == q.scalar_type(),
+              "attention_ext: grad_out must have shape ", at::IntArrayRef(out_shape), " and dtype ",
+              q.scalar_type(), ", got ", grad_out.sizes(), " ", grad_out.scalar_type());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape) && out.scalar_type() == q.scalar_type(),
+              "attention_ext: out must have shape ", at::IntArrayRef(out_shape), " and dtype ",
+              q.scalar_type(), ", got ", out.sizes(), " ", out.scalar_type());
+  const at::ScalarType stat_dtype = lse_dtype(q.scalar_type());
+  TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape) && lse.scalar_type() == stat_dtype,
+              "attention_ext: lse must have shape ", at::IntArrayRef(lse_shape), " and dtype ",
+              stat_dtype, ", got ", lse.sizes(), " ", lse.scalar_type());
+  if (grad_lse.has_value())
+    TORCH_CHECK(grad_lse->sizes() == at::IntArrayRef(lse_shape),
+                "attention_ext: grad_lse must have shape ", at::IntArrayRef(lse_shape), ", got ",
+                grad_lse->sizes());
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&grad_out, "grad_out"},
+                                {&out, "out"},
+                                {&lse, "lse"},
+                                {grad_lse.has_value() ? &*grad_lse : nullptr, "grad_lse"}})
+    if (t != nullptr)
+      TORCH_CHECK(t->device() == q.device(), "attention_ext: ", name, " must be on ", q.device(),
+                  " like the query, got ", t->device());
+  TORCH_CHECK(!mask_requires_grad || (attn_mask.has_value() && attn_mask->is_floating_point()),
+              "attention_ext: a mask gradient needs a floating attn_mask");
+
+  call.grad_q = at::empty(q.sizes(), q.options());
+  call.grad_k = at::empty(k.sizes(), k.options());
+  call.grad_v = at::empty(v.sizes(), v.options());
+  call.grad_mask = mask_requires_grad ? at::zeros(attn_mask->sizes(), attn_mask->options())
+                                      : at::empty({0}, q.options());
+  if (lse.numel() == 0) {  // no query rows: nothing flows back
+    call.grad_q.zero_();
+    call.grad_k.zero_();
+    call.grad_v.zero_();
+    call.no_rows = true;
+    return call;
+  }
+
+  AttentionParams& p = call.params;
+  p = make_params(shape, q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
+  p.out = make_ref(out, shape.batch);
+  p.lse = make_row_ref(lse, shape.batch);
+  p.grad_out = make_ref(grad_out, shape.batch);
+  if (grad_lse.has_value()) {
+    call.grad_lse_acc = grad_lse->to(stat_dtype);
+    p.grad_lse = make_row_ref(call.grad_lse_acc, shape.batch);
+  }
+  call.delta = at::empty(lse_shape, lse.options());
+  call.shift_hi = at::empty(lse_shape, lse.options());
+  call.shift_lo = at::empty(lse_shape, lse.options());
+  p.delta = make_row_ref(call.delta, shape.batch);
+  p.shift_hi = make_row_ref(call.shift_hi, shape.batch);
+  p.shift_lo = make_row_ref(call.shift_lo, shape.batch);
+  p.grad_q = make_ref(call.grad_q, shape.batch);
+  p.grad_k = make_ref(call.grad_k, shape.batch);
+  p.grad_v = make_ref(call.grad_v, shape.batch);
+  if (mask_requires_grad) {
+    call.grad_mask_2d = call.grad_mask;
+    while (call.grad_mask_2d.dim() < 2) call.grad_mask_2d = call.grad_mask_2d.unsqueeze(0);
+    p.grad_mask = make_ref(call.grad_mask_2d, shape.batch);
+  }
+  return call;
+}
+
 }  // namespace attention_ext

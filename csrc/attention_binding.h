@@ -36,6 +36,27 @@ TensorRef make_ref(const at::Tensor& t, const std::vector<int64_t>& batch);
 // View of a (batch_tail..., rows) tensor such as lse: rows use row_stride.
 TensorRef make_row_ref(const at::Tensor& t, const std::vector<int64_t>& batch);
 
+// One backward call, ready for the device's kernels: the extra inputs checked (shapes, dtypes,
+// same device as the query), the gradients allocated with the inputs' own shapes (grad_mask
+// zero-filled, or empty (0,) when not requested), the scratch rows (delta, shift_hi, shift_lo)
+// allocated, and params pointing at all of it. When there are no query rows (`no_rows`), the
+// gradients are already final (zeros) and no kernel needs to run. Device-specific state (a
+// device guard) must be set up by the caller before this allocates.
+struct BackwardCall {
+  AttentionShape shape;
+  AttentionParams params;
+  at::Tensor grad_q, grad_k, grad_v, grad_mask;
+  bool no_rows = false;
+  // Kept alive for the kernels: converted grad_lse, scratch rows, 2-D view of grad_mask.
+  at::Tensor grad_lse_acc, delta, shift_hi, shift_lo, grad_mask_2d;
+};
+
+BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
+                              const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const std::optional<at::Tensor>& attn_mask, const at::Tensor& out,
+                              const at::Tensor& lse, double scale, int64_t causal, double dropout_p,
+                              const std::optional<at::Tensor>& rng_state, bool mask_requires_grad);
+
 std::vector<int64_t> with_tail(std::vector<int64_t> batch, std::initializer_list<int64_t> tail);
 
 ScalarType to_scalar_type(at::ScalarType t);

@@ -41,11 +41,6 @@ bool use_fused_backward(const AttentionParams& p, int64_t k_owners) {
   return k_owners >= 2 * static_cast<int64_t>(at::get_num_threads());
 }
 
-void check_cpu(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "attention_ext: ", name, " must be a CPU tensor here, got ",
-              t.device());
-}
-
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v,
                                                  const std::optional<at::Tensor>& attn_mask,
@@ -69,60 +64,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
     const at::Tensor& out, const at::Tensor& lse, double scale, int64_t causal, double dropout_p,
     const std::optional<at::Tensor>& rng_state, bool mask_requires_grad) {
-  const AttentionShape shape =
-      check_attention_inputs(q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
-  const auto out_shape = with_tail(shape.batch, {shape.n, shape.dv});
-  const auto lse_shape = with_tail(shape.batch, {shape.n});
-  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(out_shape) && grad_out.scalar_type() == q.scalar_type(),
-              "attention_ext: grad_out must have shape ", at::IntArrayRef(out_shape), " and dtype ",
-              q.scalar_type(), ", got ", grad_out.sizes(), " ", grad_out.scalar_type());
-  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape) && out.scalar_type() == q.scalar_type(),
-              "attention_ext: out must have shape ", at::IntArrayRef(out_shape), " and dtype ",
-              q.scalar_type(), ", got ", out.sizes(), " ", out.scalar_type());
-  const at::ScalarType stat_dtype = lse_dtype(q.scalar_type());
-  TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape) && lse.scalar_type() == stat_dtype,
-              "attention_ext: lse must have shape ", at::IntArrayRef(lse_shape), " and dtype ",
-              stat_dtype, ", got ", lse.sizes(), " ", lse.scalar_type());
-  if (grad_lse.has_value())
-    TORCH_CHECK(grad_lse->sizes() == at::IntArrayRef(lse_shape),
-                "attention_ext: grad_lse must have shape ", at::IntArrayRef(lse_shape), ", got ",
-                grad_lse->sizes());
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{grad_out, "grad_out"},
-                                {out, "out"},
-                                {lse, "lse"}})
-    check_cpu(t, name);
-  TORCH_CHECK(!mask_requires_grad || (attn_mask.has_value() && attn_mask->is_floating_point()),
-              "attention_ext: a mask gradient needs a floating attn_mask");
-
-  at::Tensor gq = at::empty(q.sizes(), q.options());
-  at::Tensor gk = at::empty(k.sizes(), k.options());
-  at::Tensor gv = at::empty(v.sizes(), v.options());
-  at::Tensor gmask = mask_requires_grad ? at::zeros(attn_mask->sizes(), attn_mask->options())
-                                        : at::empty({0}, q.options());
-  if (lse.numel() == 0) return {gq.zero_(), gk.zero_(), gv.zero_(), gmask};  // no query rows
-
-  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
-  p.out = make_ref(out, shape.batch);
-  p.lse = make_row_ref(lse, shape.batch);
-  p.grad_out = make_ref(grad_out, shape.batch);
-  at::Tensor grad_lse_acc;
-  if (grad_lse.has_value()) {
-    grad_lse_acc = grad_lse->to(stat_dtype);
-    p.grad_lse = make_row_ref(grad_lse_acc, shape.batch);
-  }
-  at::Tensor delta = at::empty(lse_shape, lse.options());
-  p.delta = make_row_ref(delta, shape.batch);
-  at::Tensor shift_hi = at::empty(lse_shape, lse.options()), shift_lo = at::empty(lse_shape, lse.options());
-  p.shift_hi = make_row_ref(shift_hi, shape.batch);
-  p.shift_lo = make_row_ref(shift_lo, shape.batch);
-  p.grad_q = make_ref(gq, shape.batch);
-  p.grad_k = make_ref(gk, shape.batch);
-  p.grad_v = make_ref(gv, shape.batch);
-  at::Tensor gmask2 = gmask;
-  if (mask_requires_grad) {
-    while (gmask2.dim() < 2) gmask2 = gmask2.unsqueeze(0);
-    p.grad_mask = make_ref(gmask2, shape.batch);
-  }
+  BackwardCall call = prepare_backward(grad_out, grad_lse, q, k, v, attn_mask, out, lse, scale, causal,
+                                       dropout_p, rng_state, mask_requires_grad);
+  at::Tensor &gq = call.grad_q, &gk = call.grad_k, &gv = call.grad_v, &gmask = call.grad_mask;
+  if (call.no_rows) return {gq, gk, gv, gmask};
+  const AttentionShape& shape = call.shape;
+  const AttentionParams& p = call.params;
 
   const KernelTable& kernels = active_kernels();
   const int64_t q_tiles = ceil_div(shape.n, kBlockM);
