@@ -8,6 +8,7 @@
 #include <string>
 
 #include "../attention_binding.h"
+#include "../attention_geometry.h"
 #include "../philox.h"
 #include "cpu_dispatch.h"
 
@@ -15,18 +16,9 @@ namespace attention_ext {
 namespace cpu {
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 void run_items(ItemFn fn, const AttentionParams& p, int64_t items) {
   if (items <= 0) return;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) { fn(p, begin, end); });
-}
-
-int64_t owners_of(const AttentionParams& p, const TensorRef& grad) {
-  int64_t owned = 1;
-  for (int d = 0; d < p.batch_ndim; ++d)
-    if (!(p.batch_size[d] > 1 && grad.batch_stride[d] == 0)) owned *= p.batch_size[d];
-  return owned;
 }
 
 // The fused backward (one pass per key owner) saves recomputing S and dP but parallelises only

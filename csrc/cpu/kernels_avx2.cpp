@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../attention_geometry.h"
 #include "../philox.h"
 #include "kernel_table.h"
 

@@ -1,5 +1,5 @@
 // Device helpers shared by the CUDA attention kernels: storage <-> accumulator conversions, batch
-// indexing (the same BatchSplit ownership rule as the CPU kernels), causal geometry, logits and
+// indexing (attention_geometry.h, shared with the CPU kernels), causal geometry, logits and
 // the dropout stream. No torch headers: kernels see only AttentionParams.
 #pragma once
 #include <cuda_bf16.h>
@@ -7,14 +7,12 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "../attention_geometry.h"
 #include "../attention_params.h"
 #include "../philox.h"
 
 namespace attention_ext {
 namespace cuda {
-
-constexpr double kLog2e = 1.4426950408889634;
-constexpr double kLn2 = 0.6931471805599453;
 
 // ---------------------------------------------------------------------------------------------
 // Storage types. Accumulation is float for fp32/fp16/bf16 and double for fp64 (as on the CPU).
@@ -67,83 +65,6 @@ __device__ __forceinline__ double log2_acc(double x) { return log2(x); }
 template <typename A>
 __device__ __forceinline__ A neg_inf() {
   return -static_cast<A>(INFINITY);
-}
-
-__host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-__host__ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
-__host__ __device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
-
-// ---------------------------------------------------------------------------------------------
-// Batch indexing (mirrors the CPU kernels exactly).
-
-struct BatchSplit {
-  int num_owned_dims = 0, num_bcast_dims = 0;
-  int owned_dim[kMaxBatchDims] = {}, bcast_dim[kMaxBatchDims] = {};
-  int64_t num_owned = 1, num_bcast = 1;
-
-  __host__ __device__ BatchSplit(const AttentionParams& p, const TensorRef& grad) {
-    for (int d = 0; d < p.batch_ndim; ++d) {
-      if (p.batch_size[d] > 1 && grad.batch_stride[d] == 0) {
-        bcast_dim[num_bcast_dims++] = d;
-        num_bcast *= p.batch_size[d];
-      } else {
-        owned_dim[num_owned_dims++] = d;
-        num_owned *= p.batch_size[d];
-      }
-    }
-  }
-  __host__ __device__ void index(const AttentionParams& p, int64_t owned, int64_t bcast,
-                                 int64_t* idx) const {
-    for (int i = num_owned_dims - 1; i >= 0; --i) {
-      const int d = owned_dim[i];
-      idx[d] = owned % p.batch_size[d];
-      owned /= p.batch_size[d];
-    }
-    for (int i = num_bcast_dims - 1; i >= 0; --i) {
-      const int d = bcast_dim[i];
-      idx[d] = bcast % p.batch_size[d];
-      bcast /= p.batch_size[d];
-    }
-  }
-};
-
-__host__ __device__ __forceinline__ void unravel_batch(const AttentionParams& p, int64_t linear,
-                                                       int64_t* idx) {
-  for (int d = p.batch_ndim - 1; d >= 0; --d) {
-    idx[d] = linear % p.batch_size[d];
-    linear /= p.batch_size[d];
-  }
-}
-__host__ __device__ __forceinline__ int64_t ravel_batch(const AttentionParams& p, const int64_t* idx) {
-  int64_t linear = 0;
-  for (int d = 0; d < p.batch_ndim; ++d) linear = linear * p.batch_size[d] + idx[d];
-  return linear;
-}
-__host__ __device__ __forceinline__ int64_t batch_offset(const AttentionParams& p, const TensorRef& t,
-                                                         const int64_t* idx) {
-  int64_t off = 0;
-  for (int d = 0; d < p.batch_ndim; ++d) off += idx[d] * t.batch_stride[d];
-  return off;
-}
-
-__host__ __device__ __forceinline__ int64_t causal_shift(const AttentionParams& p) {
-  return p.causal == CausalKind::kBottomRight ? p.m - p.n : 0;
-}
-// Keys [0, end) can be visible to some row of the query rows [i0, i0 + rows).
-__host__ __device__ __forceinline__ int64_t visible_key_end(const AttentionParams& p, int64_t i0,
-                                                            int64_t rows) {
-  if (p.causal == CausalKind::kNone) return p.m;
-  return imax(0, imin(p.m, i0 + rows + causal_shift(p)));
-}
-// First query row that can see key j0.
-__host__ __device__ __forceinline__ int64_t first_row_seeing(const AttentionParams& p, int64_t j0) {
-  if (p.causal == CausalKind::kNone) return 0;
-  return imax(0, j0 - causal_shift(p));
-}
-
-// Number of work-item owners of a gradient tensor (positions of the batch dims it owns).
-inline int64_t owners_of(const AttentionParams& p, const TensorRef& grad) {
-  return BatchSplit(p, grad).num_owned;
 }
 
 // ---------------------------------------------------------------------------------------------
