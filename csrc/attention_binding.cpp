@@ -283,4 +283,31 @@ BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at
   return call;
 }
 
+std::pair<at::Tensor, at::Tensor> allocate_forward_outputs(const AttentionShape& shape, const at::Tensor& q) {
+  return {at::empty(with_tail(shape.batch, {shape.n, shape.dv}), q.options()),
+          at::empty(with_tail(shape.batch, {shape.n}), q.options().dtype(lse_dtype(q.scalar_type())))};
+}
+
+at::Tensor empty_value_for(const at::Tensor& key) {
+  std::vector<int64_t> v_shape(key.sizes().begin(), key.sizes().end());
+  v_shape.back() = 0;
+  return at::empty(v_shape, key.options());
+}
+
+at::Tensor allocate_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_shape, int64_t n,
+                              int64_t m, double dropout_p, int64_t* batch_numel) {
+  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
+              "attention_ext: rng_state must be an int64 tensor of 2 elements (seed, offset), got ",
+              rng_state.scalar_type(), " of shape ", rng_state.sizes());
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "attention_ext: dropout_p must be in [0, 1), got ",
+              dropout_p);
+  TORCH_CHECK(n >= 0 && m >= 0, "attention_ext: n and m must be >= 0, got ", n, " and ", m);
+  std::vector<int64_t> shape(batch_shape.begin(), batch_shape.end());
+  *batch_numel = 1;
+  for (int64_t s : shape) *batch_numel *= s;
+  shape.push_back(n);
+  shape.push_back(m);
+  return at::empty(shape, rng_state.options().dtype(at::kBool));
+}
+
 }  // namespace attention_ext

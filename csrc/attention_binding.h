@@ -36,6 +36,17 @@ TensorRef make_ref(const at::Tensor& t, const std::vector<int64_t>& batch);
 // View of a (batch_tail..., rows) tensor such as lse: rows use row_stride.
 TensorRef make_row_ref(const at::Tensor& t, const std::vector<int64_t>& batch);
 
+// Forward outputs: out (batch..., n, d_v) in the query's dtype, lse (batch..., n) in lse_dtype.
+std::pair<at::Tensor, at::Tensor> allocate_forward_outputs(const AttentionShape& shape, const at::Tensor& q);
+
+// attention_probs runs the forward with a value of no columns (so it computes only the lse).
+at::Tensor empty_value_for(const at::Tensor& key);
+
+// Checks dropout_keep_mask's arguments and allocates its (batch..., n, m) bool result on
+// rng_state's device; *batch_numel receives the product of batch_shape.
+at::Tensor allocate_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_shape, int64_t n,
+                              int64_t m, double dropout_p, int64_t* batch_numel);
+
 // One backward call, ready for the device's kernels: the extra inputs checked (shapes, dtypes,
 // same device as the query), the gradients allocated with the inputs' own shapes (grad_mask
 // zero-filled, or empty (0,) when not requested), the scratch rows (delta, shift_hi, shift_lo)

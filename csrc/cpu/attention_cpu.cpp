@@ -40,9 +40,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
                                                  const std::optional<at::Tensor>& rng_state) {
   const AttentionShape shape =
       check_attention_inputs(q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
-  at::Tensor out = at::empty(with_tail(shape.batch, {shape.n, shape.dv}), q.options());
-  at::Tensor lse = at::empty(with_tail(shape.batch, {shape.n}),
-                             q.options().dtype(lse_dtype(q.scalar_type())));
+  auto [out, lse] = allocate_forward_outputs(shape, q);
   if (lse.numel() == 0) return {out, lse};
   AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
   p.out = make_ref(out, shape.batch);
@@ -85,9 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
 at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
                            const std::optional<at::Tensor>& attn_mask, double scale, int64_t causal) {
   // A value tensor with no columns: the forward kernel then computes only the lse.
-  std::vector<int64_t> v_shape(k.sizes().begin(), k.sizes().end());
-  v_shape.back() = 0;
-  const at::Tensor v = at::empty(v_shape, k.options());
+  const at::Tensor v = empty_value_for(k);
   const AttentionShape shape = check_attention_inputs(q, k, v, attn_mask, scale, causal, 0.0, {});
   const auto lse_pair = attention_fwd(q, k, v, attn_mask, scale, causal, 0.0, {});
   at::Tensor probs = at::empty(with_tail(shape.batch, {shape.n, shape.m}), q.options());
@@ -107,22 +103,12 @@ at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
 
 at::Tensor dropout_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_shape, int64_t n,
                              int64_t m, double dropout_p) {
-  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
-              "attention_ext: rng_state must be an int64 tensor of 2 elements (seed, offset), got ",
-              rng_state.scalar_type(), " of shape ", rng_state.sizes());
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "attention_ext: dropout_p must be in [0, 1), got ",
-              dropout_p);
-  TORCH_CHECK(n >= 0 && m >= 0, "attention_ext: n and m must be >= 0, got ", n, " and ", m);
+  int64_t batch = 1;
+  at::Tensor keep = allocate_keep_mask(rng_state, batch_shape, n, m, dropout_p, &batch);
   const at::Tensor state = rng_state.contiguous();
   const uint64_t seed = static_cast<uint64_t>(state.data_ptr<int64_t>()[0]);
   const uint64_t offset = static_cast<uint64_t>(state.data_ptr<int64_t>()[1]);
   const uint32_t threshold = dropout_threshold(dropout_p);
-  std::vector<int64_t> shape(batch_shape.begin(), batch_shape.end());
-  int64_t batch = 1;
-  for (int64_t s : shape) batch *= s;
-  shape.push_back(n);
-  shape.push_back(m);
-  at::Tensor keep = at::empty(shape, rng_state.options().dtype(at::kBool));
   bool* data = keep.data_ptr<bool>();
   at::parallel_for(0, batch * n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {

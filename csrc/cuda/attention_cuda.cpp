@@ -37,9 +37,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
       check_attention_inputs(q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
   check_cuda(q, q, "query");
   const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out = at::empty(with_tail(shape.batch, {shape.n, shape.dv}), q.options());
-  at::Tensor lse = at::empty(with_tail(shape.batch, {shape.n}),
-                             q.options().dtype(lse_dtype(q.scalar_type())));
+  auto [out, lse] = allocate_forward_outputs(shape, q);
   if (lse.numel() == 0) return {out, lse};
   AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
   p.out = make_ref(out, shape.batch);
@@ -72,9 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
 at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
                            const std::optional<at::Tensor>& attn_mask, double scale, int64_t causal) {
   // A value tensor with no columns: the forward kernel then computes only the lse.
-  std::vector<int64_t> v_shape(k.sizes().begin(), k.sizes().end());
-  v_shape.back() = 0;
-  const at::Tensor v = at::empty(v_shape, k.options());
+  const at::Tensor v = empty_value_for(k);
   const AttentionShape shape = check_attention_inputs(q, k, v, attn_mask, scale, causal, 0.0, {});
   check_cuda(q, q, "query");
   const c10::cuda::CUDAGuard guard(q.device());
@@ -90,20 +86,10 @@ at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
 
 at::Tensor dropout_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_shape, int64_t n,
                              int64_t m, double dropout_p) {
-  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
-              "attention_ext: rng_state must be an int64 tensor of 2 elements (seed, offset), got ",
-              rng_state.scalar_type(), " of shape ", rng_state.sizes());
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "attention_ext: dropout_p must be in [0, 1), got ",
-              dropout_p);
-  TORCH_CHECK(n >= 0 && m >= 0, "attention_ext: n and m must be >= 0, got ", n, " and ", m);
   const c10::cuda::CUDAGuard guard(rng_state.device());
-  const at::Tensor state = rng_state.contiguous();
-  std::vector<int64_t> shape(batch_shape.begin(), batch_shape.end());
   int64_t batch = 1;
-  for (int64_t s : shape) batch *= s;
-  shape.push_back(n);
-  shape.push_back(m);
-  at::Tensor keep = at::empty(shape, rng_state.options().dtype(at::kBool));
+  at::Tensor keep = allocate_keep_mask(rng_state, batch_shape, n, m, dropout_p, &batch);
+  const at::Tensor state = rng_state.contiguous();
   if (keep.numel() == 0) return keep;
   check_launch(dropout_keep_mask_cuda(state.data_ptr<int64_t>(), dropout_threshold(dropout_p), batch, n, m,
                                       keep.data_ptr<bool>(), c10::cuda::getCurrentCUDAStream()));
