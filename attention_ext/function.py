@@ -258,11 +258,7 @@ def _align(t, ndim):
     return t
 
 
-def _backward_op_backward(ctx, g_dq, g_dk, g_dv, g_dmask):
-    return AttentionBackward.backward(ctx, g_dq, g_dk, g_dv, g_dmask)
-
-
-torch.library.register_autograd("attention_ext::attention_bwd", _backward_op_backward,
+torch.library.register_autograd("attention_ext::attention_bwd", AttentionBackward.backward,
                                 setup_context=AttentionBackward.setup_context)
 
 
