@@ -51,7 +51,8 @@ def extensions():
     if os.environ.get("ATTENTION_EXT_SANITIZE"):
         # e.g. ATTENTION_EXT_SANITIZE=address,undefined for the sanitizer CI job
         san = "-fsanitize=" + os.environ["ATTENTION_EXT_SANITIZE"]
-        cxx_flags = [f for f in cxx_flags if f != "-O3"] + ["-O1", "-g", "-fno-omit-frame-pointer", san]
+        cxx_flags = [f for f in cxx_flags if f != "-O3"] + ["-O1", "-g", "-fno-omit-frame-pointer", san,
+                                                             "-fno-sanitize-recover=all"]
         link_flags.append(san)
     if want_cuda():
         cuda_sources = rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")) + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
