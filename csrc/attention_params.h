@@ -57,6 +57,15 @@ struct AttentionParams {
   TensorRef grad_mask;          // allocated with the mask's own shape; data == nullptr if unused
   TensorRef probs;              // attention_probs output (batch..., n, m)
 
+  // Split-key decode (CPU forward for few query rows): the keys are cut into kv_splits ranges of
+  // split_keys keys; each (batch index, range) writes its unnormalised output rows to split_out
+  // ([batch_numel][kv_splits][n][dv], accumulator type) and (running max in log2 units, sum) to
+  // split_stats ([batch_numel][kv_splits][n][2]); a combine step merges them by their lse.
+  int64_t kv_splits = 1;
+  int64_t split_keys = 0;
+  void* split_out = nullptr;
+  void* split_stats = nullptr;
+
   MaskKind mask_kind = MaskKind::kNone;
   CausalKind causal = CausalKind::kNone;
   double scale = 1.0;

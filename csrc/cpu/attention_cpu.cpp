@@ -33,6 +33,45 @@ bool use_fused_backward(const AttentionParams& p, int64_t k_owners) {
   return k_owners >= 2 * static_cast<int64_t>(at::get_num_threads());
 }
 
+// Key ranges of the decode forward (n <= kDecodeRows). A function of the shape alone, never of
+// the thread count, so results are bitwise the same on any number of threads: enough items to
+// keep a large pool busy, each range at least kMinSplitKeys keys so that merging stays cheap.
+constexpr int64_t kDecodeItems = 64;
+constexpr int64_t kMinSplitKeys = 512;
+
+void set_decode_splits(AttentionParams& p) {
+  int64_t splits = 1;
+  if (p.batch_numel < kDecodeItems)
+    splits = imax(1, imin(ceil_div(kDecodeItems, p.batch_numel), p.m / kMinSplitKeys));
+  p.split_keys = ceil_div(ceil_div(imax(p.m, 1), splits), kBlockN) * kBlockN;
+  p.kv_splits = ceil_div(imax(p.m, 1), p.split_keys);
+}
+
+// The tiled forward, or for few query rows the decode forward (+ merge of its key ranges).
+// ATTENTION_EXT_CPU_FORWARD=tiled|decode forces one (decode only applies up to kDecodeRows rows).
+void run_forward(AttentionParams& p, const at::Tensor& q) {
+  const KernelTable& kernels = active_kernels();
+  const char* env = std::getenv("ATTENTION_EXT_CPU_FORWARD");
+  const bool decode = p.n <= kDecodeRows && !(env != nullptr && std::string(env) == "tiled");
+  if (!decode) {
+    run_items(kernels.forward, p, p.batch_numel * ceil_div(p.n, kBlockM));
+    return;
+  }
+  set_decode_splits(p);
+  if (p.kv_splits == 1) {
+    run_items(kernels.forward_decode, p, p.batch_numel);
+    return;
+  }
+  const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor split_out =
+      at::empty({p.batch_numel * p.kv_splits * p.n * p.dv}, q.options().dtype(acc));
+  const at::Tensor split_stats = at::empty({p.batch_numel * p.kv_splits * p.n * 2}, q.options().dtype(acc));
+  p.split_out = split_out.data_ptr();
+  p.split_stats = split_stats.data_ptr();
+  run_items(kernels.forward_decode, p, p.batch_numel * p.kv_splits);
+  run_items(kernels.forward_combine, p, p.batch_numel);
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v,
                                                  const std::optional<at::Tensor>& attn_mask,
@@ -45,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
   AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
   p.out = make_ref(out, shape.batch);
   p.lse = make_row_ref(lse, shape.batch);
-  run_items(active_kernels().forward, p, p.batch_numel * ceil_div(shape.n, kBlockM));
+  run_forward(p, q);
   return {out, lse};
 }
 

@@ -16,6 +16,8 @@ namespace cpu {
 // the work (and with it the bitwise result) depends only on the shape and the variant.
 constexpr int64_t kBlockM = 64;
 constexpr int64_t kBlockN = 64;
+// Calls with at most this many query rows take the decode forward (forward_decode below).
+constexpr int64_t kDecodeRows = 8;
 
 // Each function processes work items [begin, end); items are independent and write disjoint
 // outputs, so any partition across threads gives bitwise identical results.
@@ -25,6 +27,13 @@ struct KernelTable {
   const char* name;
   // items: batch_numel * ceil(n / kBlockM). Writes out, lse.
   ItemFn forward;
+  // Decode forward, n <= kDecodeRows: items = batch_numel * kv_splits, each all n rows against
+  // one range of split_keys keys, reading K and V rows in place (no transposed packing). Writes
+  // out and lse when kv_splits == 1, else split_out / split_stats for forward_combine.
+  ItemFn forward_decode;
+  // items: batch_numel. Merges the kv_splits partial results of each row, in range order, into
+  // out and lse.
+  ItemFn forward_combine;
   // items: batch_numel * ceil(n / kBlockM). Writes shift_hi/shift_lo from lse (recomputing the
   // row max and sum exactly for rows of very large |lse|). Runs before backward and probs.
   ItemFn row_shift;

@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "../attention_geometry.h"
 #include "../philox.h"
 #include "kernel_table.h"

@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "../attention_geometry.h"
 #include "../philox.h"
 #include "kernel_table.h"

@@ -1,0 +1,143 @@
+"""The decode forward: calls with at most 8 query rows take a kernel that reads K and V rows in
+place and, when there are few (batch, head) pairs, splits the keys into ranges merged by their
+log-sum-exp. It must agree with the reference and with the tiled forward in every semantic
+corner (masks, causal alignments, dropout, fully masked rows and ranges, dtypes, strides,
+gradients), and be bitwise independent of the thread count."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_ext import attention, draw_rng_state, dropout_mask, scaled_dot_product_attention
+from attention_ext.reference import attention_reference
+
+from conftest import ATOL, assert_close_to_reference, low_precision_budget, rand
+
+# One (batch, head) pair and 5000 keys: split into 9 ranges of 576 keys (the last one shorter).
+SPLIT = dict(batch=(1, 1), m=5000)
+# 64 pairs: one range each.
+UNSPLIT = dict(batch=(4, 16), m=300)
+
+
+def qkv(batch, n, m, dk=64, dv=64, dtype=torch.float64, requires_grad=False):
+    return (rand(*batch, n, dk, dtype=dtype, requires_grad=requires_grad),
+            rand(*batch, m, dk, dtype=dtype, requires_grad=requires_grad),
+            rand(*batch, m, dv, dtype=dtype, requires_grad=requires_grad))
+
+
+def tiled(monkeypatch, fn):
+    """fn() computed by the tiled forward instead of the decode one."""
+    with monkeypatch.context() as mp:
+        mp.setenv("ATTENTION_EXT_CPU_FORWARD", "tiled")
+        return fn()
+
+
+@pytest.mark.parametrize("layout", [SPLIT, UNSPLIT], ids=["split_keys", "one_range"])
+@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_decode_equals_reference(cpu_variant, layout, n, causal):
+    q, k, v = qkv(layout["batch"], n, layout["m"])
+    out, lse = attention(q, k, v, causal=causal, return_lse=True)
+    ref, ref_lse, _ = attention_reference(q, k, v, causal=causal)
+    assert_close_to_reference(out, ref, torch.float64)
+    assert_close_to_reference(lse, ref_lse, torch.float64, what="lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", [SPLIT, UNSPLIT], ids=["split_keys", "one_range"])
+def test_decode_low_precision_within_torch_error(cpu_variant, dtype, layout):
+    q, k, v = qkv(layout["batch"], 2, layout["m"], dtype=dtype)
+    out = scaled_dot_product_attention(q, k, v)
+    ref = attention_reference(q, k, v)[0]
+    budget = low_precision_budget(((q, k, v), {}), dtype, ref)
+    assert out.dtype == dtype
+    assert_close_to_reference(out, ref, dtype, budget=budget)
+
+
+@pytest.mark.parametrize("dk,dv", [(1, 1), (5, 3), (64, 16), (130, 72)])
+def test_decode_any_head_dims_and_strided_inputs(dk, dv):
+    # Transposed storage (non-unit column stride) and head dims that are not a multiple of the
+    # vector width take the converting path; the rest are read in place.
+    q = rand(1, 2, dk, 3).transpose(-1, -2)
+    k = rand(1, 2, dk, 1500).transpose(-1, -2)
+    v = rand(1, 2, 1500, dv)
+    out = scaled_dot_product_attention(q, k, v)
+    assert_close_to_reference(out, attention_reference(q, k, v)[0], torch.float64)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64], ids=["bool", "float"])
+def test_decode_with_broadcast_mask_and_empty_ranges(mask_dtype):
+    # Only keys in the last range are visible to row 0: every other range of that row is empty
+    # and must drop out of the merge; row 1 sees no key at all.
+    q, k, v = qkv((1, 2), 2, SPLIT["m"])
+    visible = torch.zeros(1, 1, 2, SPLIT["m"], dtype=torch.bool)
+    visible[..., 0, 4900:] = True
+    mask = visible if mask_dtype == torch.bool else torch.zeros(visible.shape, dtype=torch.float64).masked_fill(
+        ~visible, float("-inf"))
+    out, lse = attention(q, k, v, attn_mask=mask, return_lse=True)
+    ref, ref_lse, _ = attention_reference(q, k, v, mask)
+    assert torch.all(out[..., 1, :] == 0) and torch.all(torch.isneginf(lse[..., 1]))
+    assert_close_to_reference(out, ref, torch.float64)
+    assert_close_to_reference(lse[..., 0], ref_lse[..., 0], torch.float64, what="lse")
+
+
+def test_decode_huge_bias_ranges_merge_without_overflow():
+    # Ranges whose maxima differ by ~1e4 in log2 units: merging must rescale, not overflow.
+    q, k, v = qkv((1, 1), 1, SPLIT["m"])
+    bias = torch.zeros(1, 1, 1, SPLIT["m"], dtype=torch.float64)
+    bias[..., :600] = 1e4
+    out = attention(q, k, v, attn_mask=bias)
+    assert torch.isfinite(out).all()
+    assert_close_to_reference(out, attention_reference(q, k, v, bias)[0], torch.float64)
+
+
+@pytest.mark.parametrize("layout", [SPLIT, UNSPLIT], ids=["split_keys", "one_range"])
+def test_decode_dropout_equals_reference_with_drawn_mask(layout):
+    p = 0.25
+    q, k, v = qkv(layout["batch"], 3, layout["m"])
+    torch.manual_seed(5)
+    keep = dropout_mask(draw_rng_state(), (*layout["batch"], 3, layout["m"]), p)
+    torch.manual_seed(5)
+    out = scaled_dot_product_attention(q, k, v, dropout_p=p)
+    ref = attention_reference(q, k, v, dropout_mask=keep, dropout_p=p)[0]
+    assert_close_to_reference(out, ref, torch.float64)
+
+
+@pytest.mark.parametrize("layout", [SPLIT, UNSPLIT], ids=["split_keys", "one_range"])
+def test_decode_agrees_with_tiled_forward(monkeypatch, layout):
+    q, k, v = qkv(layout["batch"], 4, layout["m"], dtype=torch.float32)
+    mask = torch.rand(1, 1, 4, layout["m"]) < 0.9
+    out, lse = attention(q, k, v, attn_mask=mask, causal="bottom_right", return_lse=True)
+    out_t, lse_t = tiled(monkeypatch, lambda: attention(q, k, v, attn_mask=mask, causal="bottom_right",
+                                                        return_lse=True))
+    torch.testing.assert_close(out, out_t, atol=ATOL[torch.float32], rtol=0)
+    torch.testing.assert_close(lse, lse_t, atol=ATOL[torch.float32], rtol=0)
+
+
+def test_decode_gradients_gradcheck():
+    q, k, v = qkv((1, 1), 2, 1100, dk=4, dv=3, requires_grad=True)  # 3 ranges
+    mask = rand(1, 1, 2, 1100, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, mask: attention(q, k, v, attn_mask=mask, causal="bottom_right"), (q, k, v, mask))
+
+
+def test_decode_is_bitwise_independent_of_thread_count():
+    q, k, v = qkv(SPLIT["batch"], 1, SPLIT["m"], dtype=torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            results.append(attention(q, k, v, return_lse=True))
+    finally:
+        torch.set_num_threads(threads)
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
+def test_decode_no_keys_and_no_value_columns():
+    q = rand(2, 1, 8)
+    out, lse = attention(q, rand(2, 0, 8), rand(2, 0, 5), return_lse=True)
+    assert out.shape == (2, 1, 5) and torch.all(out == 0) and torch.all(torch.isneginf(lse))
+    out = scaled_dot_product_attention(q, rand(2, 700, 8), rand(2, 700, 0))
+    assert out.shape == (2, 1, 0)
