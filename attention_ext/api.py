@@ -63,9 +63,25 @@ def _has_cuda_kernels() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("attention_ext::attention_fwd", "CUDA")
 
 
+def _broadcast_shapes(*shapes):
+    """torch.broadcast_shapes for plain int shapes, without its per-call overhead (tens of
+    microseconds: it matters for decode-sized calls); symbolic shapes go through torch."""
+    if torch.compiler.is_compiling():
+        return torch.broadcast_shapes(*shapes)
+    ndim = max(len(s) for s in shapes)
+    out = [1] * ndim
+    for shape in shapes:
+        for i, size in enumerate(shape, ndim - len(shape)):
+            if size != 1:
+                if out[i] != 1 and out[i] != size:
+                    raise RuntimeError(f"shapes {shapes} do not broadcast")
+                out[i] = size
+    return torch.Size(out)
+
+
 def _broadcast_batch(query, key, value):
     try:
-        return torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+        return _broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
     except RuntimeError:
         raise ValueError(
             f"attention_ext: the batch dims of query {tuple(query.shape)}, key {tuple(key.shape)} and value "
@@ -181,7 +197,7 @@ def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa):
     n, m = query.shape[-2], key.shape[-2]
     attn_mask = _check_mask(attn_mask, query, batch, n, m)
     # The kernels own dK/dV per key position, so K and V must broadcast alike: expand (a view).
-    kv_batch = torch.broadcast_shapes(key.shape[:-2], value.shape[:-2])
+    kv_batch = _broadcast_shapes(key.shape[:-2], value.shape[:-2])
     if key.shape[:-2] != kv_batch or value.shape[:-2] != kv_batch:
         key = key.expand(*kv_batch, *key.shape[-2:])
         value = value.expand(*kv_batch, *value.shape[-2:])

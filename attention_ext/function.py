@@ -15,6 +15,8 @@ Beyond first order the library composes torch ops, at O(batch · n · m) memory:
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ._ops import lse_dtype, ops
@@ -322,3 +324,11 @@ class AttentionWeightsFunction(torch.autograd.Function):
 
 torch.library.register_autograd("attention_ext::attention_probs", _probs_backward,
                                 setup_context=_probs_setup_context)
+
+# torch.autograd.Function.apply binds the arguments against inspect.signature(forward) on every
+# call when setup_context is defined; computing that signature is most of this package's per-call
+# Python overhead. A function's __signature__ is what inspect.signature returns, so compute each
+# once.
+for _fn in (AttentionFunction, AttentionBackward, AttentionWeightsFunction):
+    _fn.forward.__signature__ = inspect.signature(_fn.forward)
+del _fn
