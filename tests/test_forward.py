@@ -136,3 +136,26 @@ def test_output_is_convex_combination_of_values():
     lo = v.min(dim=-2, keepdim=True).values
     hi = v.max(dim=-2, keepdim=True).values
     assert (out >= lo - 1e-5).all() and (out <= hi + 1e-5).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dk,dv", [(64, 64), (33, 96), (128, 40)])
+def test_low_precision_with_masks_dropout_and_strided_storage(dtype, dk, dv, cpu_variant):
+    # The bf16 forward of the avx512bf16 variant packs Kᵀ and V as bf16 pairs and rounds P to
+    # bf16: every packing path (odd head dim, unit and non-unit column strides, odd key count)
+    # and every score modifier must still match the reference within the dtype's budget.
+    n, m, p = 70, 131, 0.2
+    q = rand(2, 3, n, dk, dtype=dtype)
+    k = rand(2, 3, dk, m, dtype=dtype).transpose(-1, -2)  # column stride != 1
+    v = rand(2, 3, m, dv, dtype=dtype)
+    v_strided = rand(2, 3, dv, m, dtype=dtype).transpose(-1, -2)
+    mask = (torch.randn(1, 3, n, m, dtype=torch.float64) * 2).to(dtype)
+    for value in (v, v_strided):
+        torch.manual_seed(3)
+        keep = attention_ext.dropout_mask(attention_ext.draw_rng_state(), (2, 3, n, m), p)
+        torch.manual_seed(3)
+        out = attention_ext.attention(q, k, value, attn_mask=mask, causal="bottom_right", dropout_p=p)
+        ref = attention_reference(q, k, value, mask, causal="bottom_right", dropout_mask=keep, dropout_p=p)[0]
+        budget = (attention_reference(q, k, value, mask, causal="bottom_right", dropout_mask=keep, dropout_p=p,
+                                      dtype=None)[0].double() - ref).abs().max().item()
+        assert_close_to_reference(out, ref, dtype, budget)

@@ -22,6 +22,10 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
          __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
+bool has_avx512bf16() {
+  __builtin_cpu_init();
+  return has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
 bool has_avx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -32,6 +36,7 @@ bool always() { return true; }
 const std::vector<Variant>& variants() {  // best first
   static const std::vector<Variant> all = {
 #if defined(__x86_64__) || defined(_M_X64)
+      {"avx512bf16", &kernels_avx512bf16, &has_avx512bf16},
       {"avx512", &kernels_avx512, &has_avx512},
       {"avx2", &kernels_avx2, &has_avx2},
 #endif

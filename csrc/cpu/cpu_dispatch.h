@@ -1,5 +1,5 @@
 // Chooses the CPU kernel variant: the best the CPU supports, or the one named by the
-// ATTENTION_EXT_CPU_ISA environment variable (avx512 | avx2 | generic), or set_cpu_variant().
+// ATTENTION_EXT_CPU_ISA environment variable (avx512bf16 | avx512 | avx2 | generic), or set_cpu_variant().
 #pragma once
 #include <string>
 #include <vector>

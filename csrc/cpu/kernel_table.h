@@ -1,6 +1,6 @@
 // The CPU kernels of one instruction-set variant, as a table of plain functions.
 //
-// Each variant (avx512, avx2, generic) is the same source, attention_kernels.inc, compiled in its
+// Each variant (avx512bf16, avx512, avx2, generic) is the same source, attention_kernels.inc, compiled in its
 // own translation unit with its own target flags and namespace. The torch-facing binding picks a
 // table at run time from what the CPU supports, so code built for a wider ISA never runs on a CPU
 // without it. No torch headers here: the kernel TUs must not instantiate torch code.
@@ -56,6 +56,7 @@ const KernelTable& kernels_generic();
 #if defined(__x86_64__) || defined(_M_X64)
 const KernelTable& kernels_avx2();
 const KernelTable& kernels_avx512();
+const KernelTable& kernels_avx512bf16();
 #endif
 
 }  // namespace cpu
