@@ -36,8 +36,12 @@ DEFAULT_SHAPES = [
     (1, 16, 1024, 1024, 128, False, ""),
     (1, 25, 1024, 1024, 64, False, ""),
     (8, 8, 1, 2048, 64, False, "decode"),
+    (1, 8, 8192, 8192, 64, True, "long"),
 ]
 QUICK_SHAPE_IDX = [0, 2, 5]
+# Sequence-length sweep (ours vs torch): (1, 8, L, L, 64) for these L.
+SWEEP_LENGTHS = [256, 512, 1024, 2048, 4096]
+QUICK_SWEEP_LENGTHS = [256, 1024, 4096]
 CANDIDATES = ["ours", "torch", "naive"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -167,6 +171,23 @@ def check_close(s, dtype):
         a = attention_ext.scaled_dot_product_attention(q, k, v, is_causal=s[5])
         b = F.scaled_dot_product_attention(q, k, v, is_causal=s[5])
     return (a.float() - b.float()).abs().max().item()
+
+
+def run_sweep(lengths, modes, dtype, reps, warmup, min_sample_s):
+    """GFLOP/s of ours and torch at (1, 8, L, L, 64) for each L, interleaved like the shapes."""
+    out = []
+    for length in lengths:
+        s = (1, 8, length, length, 64, False, "")
+        for mode in modes:
+            samples, _ = time_shape(s, mode, dtype, ["ours", "torch"], reps, warmup, min_sample_s)
+            med = {c: statistics.median(v) for c, v in samples.items()}
+            fl = mode_flops(s, mode)
+            row = {"length": length, "mode": mode, "median_ms": {c: med[c] * 1e3 for c in med},
+                   "gflops": {c: fl / med[c] / 1e9 for c in med}, "ratio": med["torch"] / med["ours"]}
+            out.append(row)
+            print(f"[sweep] {mode:6s} L={length:5d}  ours {row['gflops']['ours']:6.1f} GF/s  torch "
+                  f"{row['gflops']['torch']:6.1f} GF/s  ours/torch {row['ratio']:.2f}", flush=True)
+    return out
 
 
 def measure_sgemm_peak(n=2048, reps=10):
@@ -345,6 +366,14 @@ def render_markdown(res):
             cells += [fmt(r.get("spread_pct"), ".0f"), fmt(r.get("maxdiff"), ".1e")]
             L.append("| " + " | ".join(cells) + " |")
         L.append("")
+    if res.get("sweep"):
+        L.append("## sequence-length sweep (1x8xLxLx64, ours vs torch)\n")
+        L.append("| L | mode | ours ms | torch ms | ours GF/s | torch GF/s | ours/torch |")
+        L.append("|---:|---|---:|---:|---:|---:|---:|")
+        for r in res["sweep"]:
+            L.append(f"| {r['length']} | {r['mode']} | {r['median_ms']['ours']:.3f} | {r['median_ms']['torch']:.3f} | "
+                     f"{r['gflops']['ours']:.1f} | {r['gflops']['torch']:.1f} | {r['ratio']:.2f} |")
+        L.append("")
     if res.get("memory_check"):
         L.append(render_memcheck(res["memory_check"]))
     return "\n".join(L)
@@ -378,9 +407,29 @@ def make_plot(res, path):
         return False
     modes = res["meta"]["modes"]
     cands = res["meta"]["candidates"]
-    fig, axes = plt.subplots(len(modes), 1, figsize=(11, 4.2 * len(modes)), squeeze=False)
+    sweep = res.get("sweep") or []
+    nplots = len(modes) + (1 if sweep else 0)
+    fig, axes = plt.subplots(nplots, 1, figsize=(11, 4.2 * nplots), squeeze=False)
     peak = res["sgemm_peak"]["gflops_median"]
-    for ax, mode in zip(axes[:, 0], modes):
+    if sweep:
+        ax = axes[-1, 0]
+        for mode, color in zip(modes, ("tab:blue", "tab:purple")):
+            pts = [r for r in sweep if r["mode"] == mode]
+            label = "fwd" if mode == "fwd" else "fwd+bwd"
+            ax.plot([r["length"] for r in pts], [r["gflops"]["ours"] for r in pts], "o-", color=color,
+                    label=f"ours {label}")
+            ax.plot([r["length"] for r in pts], [r["gflops"]["torch"] for r in pts], "s--", color=color,
+                    alpha=0.6, label=f"torch {label}")
+        ax.axhline(peak, color="k", ls="--", lw=1, label=f"sgemm {peak:.0f} GF/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["length"] for r in sweep if r["mode"] == modes[0]])
+        ax.set_xticklabels([str(r["length"]) for r in sweep if r["mode"] == modes[0]])
+        ax.set_xlabel("sequence length L (n = m = L; B=1, H=8, d=64)")
+        ax.set_ylabel("GFLOP/s")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"GFLOP/s by sequence length ({res['meta']['dtype']})")
+        ax.legend(fontsize=8)
+    for ax, mode in zip(axes[:len(modes), 0], modes):
         rows = [r for r in res["rows"] if r["mode"] == mode]
         w = 0.8 / len(cands)
         for j, c in enumerate(cands):
@@ -425,6 +474,7 @@ def main(argv=None):
                     help="comma list of default-shape indices and/or BxHxnxmxd[c] specs (see --list-shapes)")
     ap.add_argument("--list-shapes", action="store_true")
     ap.add_argument("--no-naive", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the sequence-length sweep (ours vs torch)")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-(candidate, shape) memory subprocesses")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json (and PREFIX.png with --plot)")
@@ -517,6 +567,10 @@ def main(argv=None):
                   "  ".join(f"{c} {med[c] * 1e3:8.3f} ms {row['gflops'][c]:6.1f} GF/s" for c in cands) +
                   "  ours/torch %.2f" % row["ratio"]["ours/torch"] +
                   ("  ours/naive %.2f" % row["ratio"]["ours/naive"] if "naive" in cands else ""), flush=True)
+    sweep = []
+    if not a.no_sweep and not a.shapes:
+        lengths = QUICK_SWEEP_LENGTHS if a.quick else SWEEP_LENGTHS
+        sweep = run_sweep(lengths, modes, dtype, reps, a.warmup, min_sample_s)
     meta["loadavg_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     # second sgemm measurement at the end: on a shared machine a single one can be caught by a burst of
     # load; the reference is the better (higher) of the two medians, both are reported
@@ -528,6 +582,8 @@ def main(argv=None):
         row["pct_sgemm"] = {c: 100.0 * row["gflops"][c] / peak["gflops_median"] for c in cands}
 
     res = {"meta": meta, "sgemm_peak": peak, "fma_peak_note_gflops": FMA_PEAK_NOTE_GFLOPS, "rows": rows}
+    if sweep:
+        res["sweep"] = sweep
     if not a.no_memory:
         print("[bench] memory: one fresh subprocess per (candidate, shape, mode) ...", flush=True)
         for row in rows:
