@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""CPU benchmark: attention_ext vs torch SDPA vs a naive softmax(q k^T * scale) v composition.
+"""Benchmark: attention_ext vs torch SDPA vs a naive softmax(q k^T * scale) v composition, on the
+CPU and, when torch sees one, a CUDA GPU (--device).
 
 Run as `python -m attention_ext bench [options]` or `python benchmarks/bench_cpu.py [options]`.
 See benchmarks/README.md for the conventions; `--help` for options.
@@ -44,6 +45,13 @@ SWEEP_LENGTHS = [256, 512, 1024, 2048, 4096]
 QUICK_SWEEP_LENGTHS = [256, 1024, 4096]
 CANDIDATES = ["ours", "torch", "naive"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEVICE = "cpu"  # the device being benchmarked (set by main)
+
+
+def _sync():
+    """Waits for queued GPU work, so wall-clock times cover it (a no-op on the CPU)."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,7 +96,7 @@ def mode_flops(s, mode):
 def make_naive(n, m, causal):
     mask = None
     if causal:  # top-left alignment, same as torch's is_causal; built once, outside the timed region
-        mask = ~torch.ones(n, m, dtype=torch.bool).tril()
+        mask = ~torch.ones(n, m, dtype=torch.bool, device=DEVICE).tril()
 
     def naive(q, k, v, is_causal=False):
         s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
@@ -112,10 +120,10 @@ def get_fn(name, s):
 def make_inputs(s, dtype, requires_grad, seed=0):
     B, H, n, m, d, causal, _ = s
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, n, d, generator=g).to(dtype)
-    k = torch.randn(B, H, m, d, generator=g).to(dtype)
-    v = torch.randn(B, H, m, d, generator=g).to(dtype)
-    go = torch.randn(B, H, n, d, generator=g).to(dtype)  # fixed random output gradient
+    q = torch.randn(B, H, n, d, generator=g).to(device=DEVICE, dtype=dtype)
+    k = torch.randn(B, H, m, d, generator=g).to(device=DEVICE, dtype=dtype)
+    v = torch.randn(B, H, m, d, generator=g).to(device=DEVICE, dtype=dtype)
+    go = torch.randn(B, H, n, d, generator=g).to(device=DEVICE, dtype=dtype)  # fixed random output gradient
     for t in (q, k, v):
         t.requires_grad_(requires_grad)
     return q, k, v, go
@@ -149,17 +157,21 @@ def time_shape(s, mode, dtype, cands, reps, warmup, min_sample_s):
         steps[c] = step
         t_w = float("inf")
         for _ in range(max(1, warmup)):
+            _sync()
             t0 = time.perf_counter()
             step()
+            _sync()
             t_w = min(t_w, time.perf_counter() - t0)
         inner[c] = max(1, min(1000, int(math.ceil(min_sample_s / max(t_w, 1e-7)))))
     samples = {c: [] for c in cands}
     for _ in range(reps):
         for c in cands:
             step, r = steps[c], inner[c]
+            _sync()
             t0 = time.perf_counter()
             for _ in range(r):
                 step()
+            _sync()
             samples[c].append((time.perf_counter() - t0) / r)
     return samples, inner
 
@@ -190,15 +202,18 @@ def run_sweep(lengths, modes, dtype, reps, warmup, min_sample_s):
     return out
 
 
-def measure_sgemm_peak(n=2048, reps=10):
-    a = torch.randn(n, n)
-    b = torch.randn(n, n)
+def measure_sgemm_peak(n=None, reps=10):
+    n = n or (8192 if DEVICE == "cuda" else 2048)
+    a = torch.randn(n, n, device=DEVICE)
+    b = torch.randn(n, n, device=DEVICE)
     for _ in range(3):
         torch.mm(a, b)
     ts = []
     for _ in range(reps):
+        _sync()
         t0 = time.perf_counter()
         torch.mm(a, b)
+        _sync()
         ts.append(time.perf_counter() - t0)
     flops = 2.0 * n ** 3
     return {"n": n, "reps": reps, "median_s": statistics.median(ts), "best_s": min(ts),
@@ -260,7 +275,33 @@ def mem_child(spec):
                       "necessary_mib": necessary / MIB, "method": method, "seconds": dt}))
 
 
+def run_mem_cuda(s, mode, dtype_name, cand):
+    """GPU memory of one call, in this process: peak allocated by torch's caching allocator during
+    the call minus what was allocated before it (inputs and everything else alive)."""
+    dtype = DTYPES[dtype_name]
+    q, k, v, go = make_inputs(s, dtype, requires_grad=(mode == "fwdbwd"))
+    step = make_step(get_fn(cand, s), s, mode, q, k, v, go)
+    try:
+        step()  # warm-up (kernels loaded, workspaces created)
+        _sync()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = step()
+        _sync()
+        extra = torch.cuda.max_memory_allocated() - base
+    except torch.cuda.OutOfMemoryError as e:
+        return {"error": f"out of memory: {e}".splitlines()[0]}
+    esz = torch.empty((), dtype=dtype).element_size()
+    B, H, n, m, d = s[:5]
+    necessary = B * H * n * d * esz + (B * H * (n + 2 * m) * d * esz if mode == "fwdbwd" else 0)
+    del out
+    return {"extra_mib": extra / MIB, "necessary_mib": necessary / MIB,
+            "method": "torch.cuda.max_memory_allocated during the call minus memory_allocated before it"}
+
+
 def run_mem_child(s, mode, dtype_name, cand, timeout=1800):
+    if DEVICE == "cuda":
+        return run_mem_cuda(s, mode, dtype_name, cand)
     spec = {"shape": list(s), "mode": mode, "dtype": dtype_name, "cand": cand}
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -303,7 +344,7 @@ def render_markdown(res):
     L = []
     meta = res["meta"]
     pk = res["sgemm_peak"]
-    L.append(f"# attention_ext CPU benchmark ({meta['dtype']})\n")
+    L.append(f"# attention_ext {meta.get('device', 'cpu').upper()} benchmark ({meta['dtype']})\n")
     L.append(f"- {meta['cpu']}; torch {meta['torch']} ({meta['torch_threads']} threads); "
              f"attention_ext {meta['build_info'].get('version')} cpu_variant=`{meta['build_info'].get('cpu_variant')}`")
     L.append(f"- command: `{meta['command']}`")
@@ -314,11 +355,13 @@ def render_markdown(res):
     if "start_gflops_median" in pk:
         se = (f"; measured at the start ({pk['start_gflops_median']:.1f}) and at the end "
               f"({pk['end_gflops_median']:.1f}) of the run, the higher one is used")
-    L.append(f"- fp32 peak reference: torch.mm {pk['n']}x{pk['n']} fp32 (MKL sgemm) = **{pk['gflops_median']:.1f} GFLOP/s** "
-             f"(median of {pk['reps']}; best {pk['gflops_best']:.1f}{se}); nominal 2-thread AVX-512 FMA peak "
-             f"~{FMA_PEAK_NOTE_GFLOPS:.0f} GFLOP/s (not measured)")
+    blas = "cuBLAS sgemm, TF32 off" if meta.get("device") == "cuda" else "MKL sgemm"
+    L.append(f"- fp32 peak reference: torch.mm {pk['n']}x{pk['n']} fp32 ({blas}) = **{pk['gflops_median']:.1f} GFLOP/s** "
+             f"(median of {pk['reps']}; best {pk['gflops_best']:.1f}{se})" +
+             (f"; nominal 2-thread AVX-512 FMA peak ~{FMA_PEAK_NOTE_GFLOPS:.0f} GFLOP/s (not measured)"
+              if meta.get("device", "cpu") == "cpu" else ""))
     over = any(v > 100.0 for r in res["rows"] for v in r["pct_sgemm"].values())
-    busy = float(meta["loadavg_before"].split()[0]) > 0.5
+    busy = meta.get("device", "cpu") == "cpu" and float(meta["loadavg_before"].split()[0]) > 0.5
     if over or busy:
         L.append("- **caution:** " + ("the machine was busy (1-min load > 0.5 before the run): absolute times and "
                                       "GFLOP/s are depressed and noisy; the interleaved ratios are the robust part. "
@@ -461,9 +504,99 @@ def cpu_name():
     return platform.processor() or "unknown CPU"
 
 
+def run_device(a, shapes, modes, cands, dtype, reps, min_sample_s, out_prefix):
+    """Times every shape (and the sweep) on DEVICE; writes out_prefix.md/.json/.png if given."""
+    meta = {"dtype": a.dtype, "modes": modes, "candidates": cands, "reps": reps, "warmup": a.warmup,
+            "min_sample_s": min_sample_s, "device": DEVICE,
+            "cpu": cpu_name() if DEVICE == "cpu" else torch.cuda.get_device_name(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "build_info": attention_ext.build_info(),
+            "python": platform.python_version(), "command": " ".join(["python"] + sys.argv),
+            "loadavg_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(f"[bench] {DEVICE}: {meta['cpu']} | torch {meta['torch']} threads={meta['torch_threads']} | "
+          f"ours variant={meta['build_info'].get('cpu_variant')} | dtype={a.dtype} reps={reps}", flush=True)
+    if DEVICE == "cpu" and os.getloadavg()[0] > 0.5:
+        print(f"[bench] WARNING: 1-min load average is {os.getloadavg()[0]:.2f}; other processes compete for the "
+              f"cores, so absolute numbers will be low and noisy (ratios from interleaved runs hold up better)",
+              flush=True)
+    peak = measure_sgemm_peak()
+    print(f"[bench] fp32 peak reference (torch.mm {peak['n']}^2): {peak['gflops_median']:.1f} GFLOP/s "
+          f"(best {peak['gflops_best']:.1f})" + (f"; nominal CPU FMA peak ~{FMA_PEAK_NOTE_GFLOPS:.0f} GFLOP/s"
+                                                  if DEVICE == "cpu" else ""), flush=True)
+
+    rows = []
+    for s in shapes:
+        maxdiff = check_close(s, dtype)
+        for mode in modes:
+            samples, inner = time_shape(s, mode, dtype, cands, reps, a.warmup, min_sample_s)
+            fl = mode_flops(s, mode)
+            med = {c: statistics.median(samples[c]) for c in cands}
+            row = {"shape": list(s), "shape_name": shape_name(s), "mode": mode, "flops": fl,
+                   "inner": inner, "samples_s": samples, "maxdiff": maxdiff,
+                   "median_ms": {c: med[c] * 1e3 for c in cands},
+                   "min_ms": {c: min(samples[c]) * 1e3 for c in cands},
+                   "max_ms": {c: max(samples[c]) * 1e3 for c in cands},
+                   "spread_pct": max(100.0 * (max(samples[c]) - min(samples[c])) / med[c] for c in cands),
+                   "gflops": {c: fl / med[c] / 1e9 for c in cands},
+                   "pct_sgemm": {c: 100.0 * fl / med[c] / 1e9 / peak["gflops_median"] for c in cands},
+                   "ratio": {}, "paired_ratio_median": {}}
+            for other in cands[1:]:
+                row["ratio"][f"ours/{other}"] = med[other] / med["ours"]
+                row["paired_ratio_median"][f"ours/{other}"] = statistics.median(
+                    b / o for o, b in zip(samples["ours"], samples[other]))
+            rows.append(row)
+            print(f"[bench] {mode:6s} {shape_name(s):24s} " +
+                  "  ".join(f"{c} {med[c] * 1e3:8.3f} ms {row['gflops'][c]:6.1f} GF/s" for c in cands) +
+                  "  ours/torch %.2f" % row["ratio"]["ours/torch"] +
+                  ("  ours/naive %.2f" % row["ratio"]["ours/naive"] if "naive" in cands else ""), flush=True)
+    sweep = []
+    if not a.no_sweep and not a.shapes:
+        lengths = QUICK_SWEEP_LENGTHS if a.quick else SWEEP_LENGTHS
+        sweep = run_sweep(lengths, modes, dtype, reps, a.warmup, min_sample_s)
+    meta["loadavg_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    # second sgemm measurement at the end: on a shared machine a single one can be caught by a burst of
+    # load; the reference is the better (higher) of the two medians, both are reported
+    peak_end = measure_sgemm_peak()
+    print(f"[bench] fp32 sgemm reference again at the end: {peak_end['gflops_median']:.1f} GFLOP/s", flush=True)
+    peak = dict(peak_end if peak_end["gflops_median"] > peak["gflops_median"] else peak,
+                start_gflops_median=peak["gflops_median"], end_gflops_median=peak_end["gflops_median"])
+    for row in rows:
+        row["pct_sgemm"] = {c: 100.0 * row["gflops"][c] / peak["gflops_median"] for c in cands}
+
+    res = {"meta": meta, "sgemm_peak": peak, "fma_peak_note_gflops": FMA_PEAK_NOTE_GFLOPS, "rows": rows}
+    if sweep:
+        res["sweep"] = sweep
+    if not a.no_memory:
+        print("[bench] memory: one fresh subprocess per (candidate, shape, mode) ...", flush=True)
+        for row in rows:
+            s = tuple(row["shape"])
+            row["mem"] = {c: run_mem_child(s, row["mode"], a.dtype, c) for c in cands}
+            res["memory_method"] = next((v["method"] for v in row["mem"].values() if "method" in v),
+                                        res.get("memory_method"))
+            print(f"[bench] memory {row['mode']:6s} {row['shape_name']:24s} " + "  ".join(
+                f"{c} {fmt(v.get('extra_mib'), '.1f')} MiB" if "error" not in v else f"{c} ERROR {v['error']}"
+                for c, v in row["mem"].items()), flush=True)
+    md = render_markdown(res)
+    print()
+    print(md)
+    if out_prefix:
+        os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
+        with open(out_prefix + ".md", "w") as f:
+            f.write(md + "\n")
+        with open(out_prefix + ".json", "w") as f:
+            json.dump(res, f, indent=2)
+        print(f"[bench] wrote {out_prefix}.md and {out_prefix}.json")
+        if a.plot:
+            make_plot(res, out_prefix + ".png")
+    elif a.plot:
+        print("[plot] --plot needs --out PREFIX; skipping")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="auto: the CPU, then the GPU if torch sees one (PREFIX_cpu / PREFIX_cuda outputs)")
     ap.add_argument("--mode", choices=["fwd", "fwdbwd", "both"], default="both")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per candidate (default 7, --quick 3)")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up calls per candidate before timing")
@@ -526,88 +659,15 @@ def main(argv=None):
     cands = [c for c in CANDIDATES if not (a.no_naive and c == "naive")]
     dtype = DTYPES[a.dtype]
 
-    meta = {"dtype": a.dtype, "modes": modes, "candidates": cands, "reps": reps, "warmup": a.warmup,
-            "min_sample_s": min_sample_s, "cpu": cpu_name(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "build_info": attention_ext.build_info(),
-            "python": platform.python_version(), "command": " ".join(["python"] + sys.argv),
-            "loadavg_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    print(f"[bench] {meta['cpu']} | torch {meta['torch']} threads={meta['torch_threads']} | "
-          f"ours variant={meta['build_info'].get('cpu_variant')} | dtype={a.dtype} reps={reps}", flush=True)
-    if os.getloadavg()[0] > 0.5:
-        print(f"[bench] WARNING: 1-min load average is {os.getloadavg()[0]:.2f}; other processes compete for the "
-              f"cores, so absolute numbers will be low and noisy (ratios from interleaved runs hold up better)",
-              flush=True)
-    peak = measure_sgemm_peak()
-    print(f"[bench] fp32 peak reference (torch.mm 2048^2, MKL sgemm): {peak['gflops_median']:.1f} GFLOP/s "
-          f"(best {peak['gflops_best']:.1f}); nominal FMA peak ~{FMA_PEAK_NOTE_GFLOPS:.0f} GFLOP/s", flush=True)
-
-    rows = []
-    for s in shapes:
-        maxdiff = check_close(s, dtype)
-        for mode in modes:
-            samples, inner = time_shape(s, mode, dtype, cands, reps, a.warmup, min_sample_s)
-            fl = mode_flops(s, mode)
-            med = {c: statistics.median(samples[c]) for c in cands}
-            row = {"shape": list(s), "shape_name": shape_name(s), "mode": mode, "flops": fl,
-                   "inner": inner, "samples_s": samples, "maxdiff": maxdiff,
-                   "median_ms": {c: med[c] * 1e3 for c in cands},
-                   "min_ms": {c: min(samples[c]) * 1e3 for c in cands},
-                   "max_ms": {c: max(samples[c]) * 1e3 for c in cands},
-                   "spread_pct": max(100.0 * (max(samples[c]) - min(samples[c])) / med[c] for c in cands),
-                   "gflops": {c: fl / med[c] / 1e9 for c in cands},
-                   "pct_sgemm": {c: 100.0 * fl / med[c] / 1e9 / peak["gflops_median"] for c in cands},
-                   "ratio": {}, "paired_ratio_median": {}}
-            for other in cands[1:]:
-                row["ratio"][f"ours/{other}"] = med[other] / med["ours"]
-                row["paired_ratio_median"][f"ours/{other}"] = statistics.median(
-                    b / o for o, b in zip(samples["ours"], samples[other]))
-            rows.append(row)
-            print(f"[bench] {mode:6s} {shape_name(s):24s} " +
-                  "  ".join(f"{c} {med[c] * 1e3:8.3f} ms {row['gflops'][c]:6.1f} GF/s" for c in cands) +
-                  "  ours/torch %.2f" % row["ratio"]["ours/torch"] +
-                  ("  ours/naive %.2f" % row["ratio"]["ours/naive"] if "naive" in cands else ""), flush=True)
-    sweep = []
-    if not a.no_sweep and not a.shapes:
-        lengths = QUICK_SWEEP_LENGTHS if a.quick else SWEEP_LENGTHS
-        sweep = run_sweep(lengths, modes, dtype, reps, a.warmup, min_sample_s)
-    meta["loadavg_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    # second sgemm measurement at the end: on a shared machine a single one can be caught by a burst of
-    # load; the reference is the better (higher) of the two medians, both are reported
-    peak_end = measure_sgemm_peak()
-    print(f"[bench] fp32 sgemm reference again at the end: {peak_end['gflops_median']:.1f} GFLOP/s", flush=True)
-    peak = dict(peak_end if peak_end["gflops_median"] > peak["gflops_median"] else peak,
-                start_gflops_median=peak["gflops_median"], end_gflops_median=peak_end["gflops_median"])
-    for row in rows:
-        row["pct_sgemm"] = {c: 100.0 * row["gflops"][c] / peak["gflops_median"] for c in cands}
-
-    res = {"meta": meta, "sgemm_peak": peak, "fma_peak_note_gflops": FMA_PEAK_NOTE_GFLOPS, "rows": rows}
-    if sweep:
-        res["sweep"] = sweep
-    if not a.no_memory:
-        print("[bench] memory: one fresh subprocess per (candidate, shape, mode) ...", flush=True)
-        for row in rows:
-            s = tuple(row["shape"])
-            row["mem"] = {c: run_mem_child(s, row["mode"], a.dtype, c) for c in cands}
-            res["memory_method"] = next((v["method"] for v in row["mem"].values() if "method" in v),
-                                        res.get("memory_method"))
-            print(f"[bench] memory {row['mode']:6s} {row['shape_name']:24s} " + "  ".join(
-                f"{c} {fmt(v.get('extra_mib'), '.1f')} MiB" if "error" not in v else f"{c} ERROR {v['error']}"
-                for c, v in row["mem"].items()), flush=True)
-    md = render_markdown(res)
-    print()
-    print(md)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out + ".md", "w") as f:
-            f.write(md + "\n")
-        with open(a.out + ".json", "w") as f:
-            json.dump(res, f, indent=2)
-        print(f"[bench] wrote {a.out}.md and {a.out}.json")
-        if a.plot:
-            make_plot(res, a.out + ".png")
-    elif a.plot:
-        print("[plot] --plot needs --out PREFIX; skipping")
+    devices = ["cpu", "cuda"] if a.device == "auto" and torch.cuda.is_available() else (
+        ["cpu"] if a.device == "auto" else [a.device])
+    if "cuda" in devices and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
+    global DEVICE
+    for device in devices:
+        DEVICE = device
+        out = a.out if (a.out is None or len(devices) == 1) else f"{a.out}_{device}"
+        run_device(a, shapes, modes, cands, dtype, reps, min_sample_s, out)
     return 0
 
 
