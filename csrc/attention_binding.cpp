@@ -3,8 +3,10 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 
+#include "attention_geometry.h"
 #include "philox.h"
 
 namespace attention_ext {
@@ -72,6 +74,15 @@ AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, 
   TORCH_CHECK(k.size(-2) == v.size(-2), "attention_ext: key and value must have the same length ",
               "(dim -2), got key ", shape_str(k.sizes()), " and value ", shape_str(v.sizes()));
   TORCH_CHECK(std::isfinite(scale), "attention_ext: scale must be a finite number, got ", scale);
+  {
+    // The kernels hold scale·log2(e) in the accumulation dtype (float32 unless the inputs are
+    // float64): beyond its range every score would become inf or NaN.
+    const double acc_max = q.scalar_type() == at::kDouble ? std::numeric_limits<double>::max()
+                                                          : std::numeric_limits<float>::max();
+    TORCH_CHECK(std::fabs(scale) * kLog2e <= acc_max, "attention_ext: scale ", scale,
+                " overflows the ", lse_dtype(q.scalar_type()), " accumulation of ", q.scalar_type(),
+                " inputs (|scale| must be at most ", acc_max / kLog2e, ")");
+  }
   TORCH_CHECK(causal >= 0 && causal <= 2,
               "attention_ext: causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got ", causal);
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
