@@ -18,6 +18,7 @@ from .function import AttentionFunction, AttentionWeightsFunction
 from .reference import CAUSAL_KINDS
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_LOG2E = 1.4426950408889634
 
 
 def _check_tensor(t, name):
@@ -97,16 +98,30 @@ def _check_scale(scale, key):
         scale = scale.item()
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"attention_ext: scale must be a real number or None, got {type(scale).__name__}")
-    scale = float(scale)
+    try:
+        scale = float(scale)
+    except OverflowError:  # an int beyond float range, e.g. 10**400
+        raise ValueError("attention_ext: scale must be finite, got an integer too large for a float") from None
     if not math.isfinite(scale):
         raise ValueError(f"attention_ext: scale must be finite, got {scale}")
+    # The kernels hold the scale in their accumulation dtype (float32 for float32/float16/bfloat16
+    # inputs): a scale that is infinite there would turn every score into inf or NaN.
+    # (They work in log2 units: scale·log2(e) must be representable.)
+    acc = torch.float64 if key.dtype == torch.float64 else torch.float32
+    limit = torch.finfo(acc).max / _LOG2E
+    if abs(scale) > limit:
+        raise ValueError(f"attention_ext: scale must be finite in the {acc} accumulation of {key.dtype} inputs "
+                         f"(|scale| <= {limit:.4g}), got {scale}")
     return scale
 
 
 def _check_dropout(dropout_p):
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"attention_ext: dropout_p must be a number, got {type(dropout_p).__name__}")
-    dropout_p = float(dropout_p)
+    try:
+        dropout_p = float(dropout_p)
+    except OverflowError:  # an int beyond float range
+        raise ValueError("attention_ext: dropout_p must be in [0, 1), got an integer too large for a float") from None
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"attention_ext: dropout_p must be in [0, 1), got {dropout_p}")
     return dropout_p
@@ -125,13 +140,35 @@ def _causal_bias_kind(attn_mask):
     except ImportError:  # pragma: no cover - torch without the bias module
         return None
     if isinstance(attn_mask, CausalBias):
-        return "top_left" if attn_mask.variant == CausalVariant.UPPER_LEFT else "bottom_right"
+        variant = getattr(attn_mask, "variant", None)
+        if variant is None:
+            # What a tensor operation on a CausalBias returns (e.g. bias.clone()): the
+            # subclass without its variant and sizes.
+            raise TypeError("attention_ext: attn_mask is a CausalBias without its variant (the result of a tensor "
+                            "operation on one?); pass the object causal_upper_left / causal_lower_right returned")
+        return "top_left" if variant == CausalVariant.UPPER_LEFT else "bottom_right"
     return None
+
+
+def _check_causal_bias_size(bias, query, key):
+    """A CausalBias is built for (seq_len_q, seq_len_kv); like torch, it must be the problem's."""
+    n = query.shape[-2] if isinstance(query, torch.Tensor) and query.dim() >= 2 else None
+    m = key.shape[-2] if isinstance(key, torch.Tensor) and key.dim() >= 2 else None
+    if n is None or m is None:
+        return  # _check_qkv reports the bad query / key
+    if (bias.seq_len_q, bias.seq_len_kv) != (n, m):
+        raise ValueError(f"attention_ext: the CausalBias attn_mask is for {bias.seq_len_q} queries and "
+                         f"{bias.seq_len_kv} keys, but query has {n} and key has {m}")
 
 
 def _check_mask(attn_mask, query, batch, n, m):
     if attn_mask is None:
         return None
+    if type(attn_mask) is not torch.Tensor and _causal_bias_kind(attn_mask) is not None:
+        # A CausalBias is a Tensor subclass whose storage is uninitialised memory, not a mask:
+        # only scaled_dot_product_attention turns it into a causal alignment.
+        raise TypeError("attention_ext: attention() and attention_weights() take causal='top_left' or "
+                        "'bottom_right' instead of a CausalBias attn_mask (scaled_dot_product_attention accepts one)")
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attention_ext: attn_mask must be a torch.Tensor, a CausalBias or None, got "
                         f"{type(attn_mask).__name__}")
@@ -169,11 +206,20 @@ def _apply_gqa(query, key, value, attn_mask):
     query = query.unflatten(-3, (hk, groups))
     key = key.unsqueeze(-3)
     value = value.unsqueeze(-3)
-    if attn_mask is not None and attn_mask.dim() >= 3:
+    # (Anything but a plain tensor mask is left for _check_mask to reject.)
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() >= 3 and (
+            type(attn_mask) is torch.Tensor or _causal_bias_kind(attn_mask) is None):
         if attn_mask.shape[-3] == hq:
             attn_mask = attn_mask.unflatten(-3, (hk, groups))
-        else:
+        elif attn_mask.shape[-3] == 1:
             attn_mask = attn_mask.unsqueeze(-3)
+        else:
+            # As in torch, the mask broadcasts against the query heads: one mask per key/value
+            # head (or any other count) is not a broadcast of Hq.
+            raise ValueError(
+                f"attention_ext: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the attention "
+                f"weights' shape (..., {hq}, {query.shape[-2]}, {key.shape[-2]}): its heads dim (-3) must be 1 or "
+                f"the query heads ({hq})")
     return query, key, value, attn_mask, hq
 
 
@@ -224,6 +270,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if causal is not None:
         if is_causal:
             raise ValueError("attention_ext: pass either is_causal=True or a CausalBias attn_mask, not both")
+        _check_causal_bias_size(attn_mask, query, key)
         attn_mask = None
     elif is_causal:
         if not isinstance(is_causal, bool):
@@ -259,6 +306,8 @@ def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = Non
     value = key.new_empty((*key.shape[:-1], 0))
     _check_qkv(query, key, value)
     scale = _check_scale(scale, key)
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"attention_ext: enable_gqa must be a bool, got {type(enable_gqa).__name__}")
     heads = None
     if enable_gqa:
         query, key, value, attn_mask, heads = _apply_gqa(query, key, value, attn_mask)
