@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+# ATTENTION_EXT_SANITIZE_KEEP=1 keeps the scratch tree (build, pytest.log) for a look afterwards.
+[ "${ATTENTION_EXT_SANITIZE_KEEP:-0}" = 1 ] || trap 'rm -rf "$work"' EXIT
 
 # Tracked and untracked-but-not-ignored files: exactly what a checkout would have.
 git ls-files -z --cached --others --exclude-standard | xargs -0 -I{} cp --parents {} "$work"
@@ -21,18 +22,25 @@ asan=$(gcc -print-file-name=libasan.so)
 ubsan=$(gcc -print-file-name=libubsan.so)
 # detect_leaks=0: CPython and torch keep allocations alive until exit by design; leaks of our own
 # are tested by tests/test_leaks.py instead. halt_on_error + no recovery: the first report fails.
-export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_odr_violation=0
-export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+# Reports go to files (pytest captures the test's stderr, and a halted process never shows it).
+# allocator_may_return_null=1: the fuzz tests ask torch for absurd sizes and expect its
+# out-of-memory error, which needs malloc to fail rather than ASan to abort.
+export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_odr_violation=0:allocator_may_return_null=1:log_path=$work/sanitizer
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$work/sanitizer
 export ATTENTION_EXT_SANITIZED=1
 # Make sure the suite below really loads the instrumented build from this scratch tree.
 so=$(ls "$work"/attention_ext/_C*.so)
 ldd "$so" | grep -q libasan || { echo "$so is not linked against libasan"; exit 1; }
 LD_PRELOAD="$asan:$ubsan" python -c "import attention_ext, sys; f = attention_ext._build.load_extension(); \
   sys.exit(0 if attention_ext.__file__.startswith('$work') else 'loaded ' + attention_ext.__file__)"
-LD_PRELOAD="$asan:$ubsan" python -m pytest tests -q -x -p no:cacheprovider "$@" 2>&1 | tee pytest.log | tail -15
-status=${PIPESTATUS[0]}
-if grep -qE "ERROR: AddressSanitizer|runtime error:" pytest.log; then
-  echo "sanitizer reported an error:"; grep -nE -A30 "ERROR: AddressSanitizer|runtime error:" pytest.log | head -80
+status=0
+LD_PRELOAD="$asan:$ubsan" python -m pytest tests -q -x -p no:cacheprovider "$@" > pytest.log 2>&1 || status=$?
+tail -15 pytest.log
+# (The files also collect harmless warnings, e.g. "failed to allocate" for the fuzzed sizes.)
+reports=$(grep -lE "ERROR: AddressSanitizer|runtime error:" "$work"/sanitizer.* 2>/dev/null || true)
+if [ -n "$reports" ]; then
+  echo "sanitizer report(s):"; for f in $reports; do head -60 "$f"; done
   exit 1
 fi
+[ "$status" = 0 ] || { echo "the test suite under the sanitizers failed (exit $status); the end of its log:"; tail -60 pytest.log; }
 exit "$status"
