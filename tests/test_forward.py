@@ -7,7 +7,7 @@ import torch
 import attention_ext
 from attention_ext.reference import attention_reference
 
-from conftest import ATOL, assert_close_to_reference, rand
+from conftest import ATOL, assert_close_to_reference, cpu_variants, rand
 
 F = torch.nn.functional
 
@@ -159,3 +159,26 @@ def test_low_precision_with_masks_dropout_and_strided_storage(dtype, dk, dv, cpu
         budget = (attention_reference(q, k, value, mask, causal="bottom_right", dropout_mask=keep, dropout_p=p,
                                       dtype=None)[0].double() - ref).abs().max().item()
         assert_close_to_reference(out, ref, dtype, budget)
+
+
+@pytest.mark.skipif("avx512bf16" not in cpu_variants(), reason="this CPU has no AVX512-BF16")
+def test_avx512bf16_variant_runs_its_own_bf16_forward():
+    # It rounds P to bf16 for the P V product, so its bf16 output differs from the avx512
+    # variant's (which keeps P in fp32) while both stay within the bf16 budget; for every other
+    # dtype the two variants run the same code and agree bitwise.
+    q, k, v = (rand(2, 4, 100, 64, dtype=torch.bfloat16) for _ in range(3))
+    previous = attention_ext.cpu_variant()
+    try:
+        results = {}
+        for variant in ("avx512bf16", "avx512"):
+            attention_ext.set_cpu_variant(variant)
+            results[variant] = attention_ext.scaled_dot_product_attention(q, k, v)
+            results[variant + "_fp32"] = attention_ext.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    finally:
+        attention_ext.set_cpu_variant(previous)
+    assert not torch.equal(results["avx512bf16"], results["avx512"])
+    assert torch.equal(results["avx512bf16_fp32"], results["avx512_fp32"])
+    ref = attention_reference(q, k, v)[0]
+    budget = (attention_reference(q, k, v, dtype=None)[0].double() - ref).abs().max().item()
+    for variant in ("avx512bf16", "avx512"):
+        assert_close_to_reference(results[variant], ref, torch.bfloat16, budget)
