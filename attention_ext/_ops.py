@@ -19,8 +19,18 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
+
+
+def scale_overflows(scale: float, dtype: torch.dtype) -> bool:
+    """Whether scale·log2(e), which the kernels hold in the accumulation dtype (float32 unless the
+    inputs are float64), is beyond its range (the C++ binding's check, the same arithmetic)."""
+    return abs(scale) * _LOG2E > torch.finfo(lse_dtype(dtype)).max
+
+
+def max_scale(dtype: torch.dtype) -> float:
+    return torch.finfo(lse_dtype(dtype)).max / _LOG2E
 
 
 def _check(cond, message):
@@ -34,7 +44,7 @@ def _check_fake_inputs(query, key, value, attn_mask, scale, causal, dropout_p, r
     on meta tensors) must be refused exactly when the real kernels would refuse it."""
     named = [(query, "query"), (key, "key")] + ([(value, "value")] if value is not None else [])
     for t, name in named:
-        _check(t.dtype in _FLOAT_DTYPES,
+        _check(t.dtype in FLOAT_DTYPES,
                f"{name} must be a floating tensor (float64, float32, float16 or bfloat16), got {t.dtype}")
         _check(t.dim() >= 2, f"{name} must have at least 2 dims (..., length, head_dim), got shape {tuple(t.shape)}")
     _check(all(t.dtype == query.dtype for t, _ in named),
@@ -46,8 +56,8 @@ def _check_fake_inputs(query, key, value, attn_mask, scale, causal, dropout_p, r
     if value is not None:
         _check(key.shape[-2] == value.shape[-2], f"key and value must have the same length (dim -2), got key "
                f"{tuple(key.shape)} and value {tuple(value.shape)}")
-    acc_max = torch.finfo(lse_dtype(query.dtype)).max
-    _check(abs(scale) * _LOG2E <= acc_max, f"scale {scale} is not finite in the accumulation of {query.dtype} inputs")
+    _check(not scale_overflows(scale, query.dtype),
+           f"scale {scale} is not finite in the accumulation of {query.dtype} inputs")
     _check(causal in (0, 1, 2), f"causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got {causal}")
     _check(0.0 <= dropout_p < 1.0, f"dropout_p must be in [0, 1), got {dropout_p}")
     if dropout_p > 0.0:

@@ -13,18 +13,16 @@ from typing import Optional
 
 import torch
 
-from ._ops import ops
+from ._ops import FLOAT_DTYPES, lse_dtype, max_scale, ops, scale_overflows
 from .function import AttentionFunction, AttentionWeightsFunction
 from .reference import CAUSAL_KINDS
 
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-_LOG2E = 1.4426950408889634
 
 
 def _check_tensor(t, name):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"attention_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
+    if t.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"attention_ext: {name} must be float64, float32, float16 or bfloat16, got {t.dtype}")
     if t.dim() < 2:
@@ -107,11 +105,9 @@ def _check_scale(scale, key):
     # The kernels hold the scale in their accumulation dtype (float32 for float32/float16/bfloat16
     # inputs): a scale that is infinite there would turn every score into inf or NaN.
     # (They work in log2 units: scale·log2(e) must be representable.)
-    acc = torch.float64 if key.dtype == torch.float64 else torch.float32
-    limit = torch.finfo(acc).max / _LOG2E
-    if abs(scale) > limit:
-        raise ValueError(f"attention_ext: scale must be finite in the {acc} accumulation of {key.dtype} inputs "
-                         f"(|scale| <= {limit:.4g}), got {scale}")
+    if scale_overflows(scale, key.dtype):
+        raise ValueError(f"attention_ext: scale must be finite in the {lse_dtype(key.dtype)} accumulation of "
+                         f"{key.dtype} inputs (|scale| <= {max_scale(key.dtype):.4g}), got {scale}")
     return scale
 
 
@@ -230,7 +226,10 @@ def draw_rng_state(device="cpu") -> torch.Tensor:
     return torch.randint(-(2 ** 63), 2 ** 63 - 1, (2,), dtype=torch.int64, device=device)
 
 
-def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa):
+def _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa):
+    """The checks and normalisation attention and attention_weights share. Returns (query, key,
+    value, attn_mask, scale, dropout_p, heads): with enable_gqa the query heads are split into
+    (kv heads, groups) and heads is the count to merge back, else None."""
     _check_qkv(query, key, value)
     scale = _check_scale(scale, key)
     dropout_p = _check_dropout(dropout_p)
@@ -240,8 +239,13 @@ def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa):
     if enable_gqa:
         query, key, value, attn_mask, heads = _apply_gqa(query, key, value, attn_mask)
     batch = _broadcast_batch(query, key, value)
-    n, m = query.shape[-2], key.shape[-2]
-    attn_mask = _check_mask(attn_mask, query, batch, n, m)
+    attn_mask = _check_mask(attn_mask, query, batch, query.shape[-2], key.shape[-2])
+    return query, key, value, attn_mask, scale, dropout_p, heads
+
+
+def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa):
+    query, key, value, attn_mask, scale, dropout_p, heads = _prepare(
+        query, key, value, attn_mask, scale, dropout_p, enable_gqa)
     # The kernels own dK/dV per key position, so K and V must broadcast alike: expand (a view).
     kv_batch = _broadcast_shapes(key.shape[:-2], value.shape[:-2])
     if key.shape[:-2] != kv_batch or value.shape[:-2] != kv_batch:
@@ -302,17 +306,9 @@ def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = Non
     _check_causal(causal)
     _check_tensor(query, "query")
     _check_tensor(key, "key")
-    # Reuse the q/k/v checks with a value of no columns.
+    # The shared checks, with a value of no columns.
     value = key.new_empty((*key.shape[:-1], 0))
-    _check_qkv(query, key, value)
-    scale = _check_scale(scale, key)
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"attention_ext: enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    heads = None
-    if enable_gqa:
-        query, key, value, attn_mask, heads = _apply_gqa(query, key, value, attn_mask)
-    batch = _broadcast_batch(query, key, value)
-    attn_mask = _check_mask(attn_mask, query, batch, query.shape[-2], key.shape[-2])
+    query, key, value, attn_mask, scale, _, heads = _prepare(query, key, value, attn_mask, scale, 0.0, enable_gqa)
     args = (query, key, attn_mask, scale, CAUSAL_KINDS[causal])
     w = ops.attention_probs(*args) if torch.compiler.is_compiling() else AttentionWeightsFunction.apply(*args)
     if heads is not None:
