@@ -241,6 +241,13 @@ def _reset_hwm():
         return False
 
 
+def necessary_mib(s, mode, dtype):
+    """What any implementation must allocate: the output, and for fwd+bwd also dq, dk, dv."""
+    esz = torch.empty((), dtype=dtype).element_size()
+    B, H, n, m, d = s[:5]
+    return (B * H * n * d * esz + (B * H * (n + 2 * m) * d * esz if mode == "fwdbwd" else 0)) / MIB
+
+
 def mem_child(spec):
     """Runs in a fresh interpreter: inputs + a small warm-up call, then one real call; prints JSON."""
     import resource
@@ -267,12 +274,9 @@ def mem_child(spec):
     else:  # high-water mark since process start: may under-report if RSS had dropped below it
         extra_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - ru_before
         method = "ru_maxrss delta (VmHWM reset not permitted; may under-report)"
-    esz = torch.empty((), dtype=dtype).element_size()
-    B, H, n, m, d = s[:5]
-    necessary = B * H * n * d * esz + (B * H * (n + 2 * m) * d * esz if mode == "fwdbwd" else 0)
     del out
     print(json.dumps({"extra_mib": extra_kib / 1024.0, "base_rss_mib": base_rss / 1024.0,
-                      "necessary_mib": necessary / MIB, "method": method, "seconds": dt}))
+                      "necessary_mib": necessary_mib(s, mode, dtype), "method": method, "seconds": dt}))
 
 
 def run_mem_cuda(s, mode, dtype_name, cand):
@@ -291,11 +295,8 @@ def run_mem_cuda(s, mode, dtype_name, cand):
         extra = torch.cuda.max_memory_allocated() - base
     except torch.cuda.OutOfMemoryError as e:
         return {"error": f"out of memory: {e}".splitlines()[0]}
-    esz = torch.empty((), dtype=dtype).element_size()
-    B, H, n, m, d = s[:5]
-    necessary = B * H * n * d * esz + (B * H * (n + 2 * m) * d * esz if mode == "fwdbwd" else 0)
     del out
-    return {"extra_mib": extra / MIB, "necessary_mib": necessary / MIB,
+    return {"extra_mib": extra / MIB, "necessary_mib": necessary_mib(s, mode, dtype),
             "method": "torch.cuda.max_memory_allocated during the call minus memory_allocated before it"}
 
 
