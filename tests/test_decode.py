@@ -45,8 +45,9 @@ def test_decode_equals_reference(cpu_variant, layout, n, causal):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", [SPLIT, UNSPLIT], ids=["split_keys", "one_range"])
-def test_decode_low_precision_within_torch_error(cpu_variant, dtype, layout):
-    q, k, v = qkv(layout["batch"], 2, layout["m"], dtype=dtype)
+@pytest.mark.parametrize("n", [1, 2])  # 1 reads fp16/bf16 K rows in place, 2 converts a K tile
+def test_decode_low_precision_within_torch_error(cpu_variant, dtype, layout, n):
+    q, k, v = qkv(layout["batch"], n, layout["m"], dtype=dtype)
     out = scaled_dot_product_attention(q, k, v)
     ref = attention_reference(q, k, v)[0]
     budget = low_precision_budget(((q, k, v), {}), dtype, ref)

@@ -346,3 +346,45 @@ def test_nan_in_some_scores_of_a_row_propagates():
     k[0, 3, 0] = float("nan")  # one key of batch 0
     out = attention_ext.attention(q, k, v)
     assert torch.isnan(out[0]).all() and torch.isfinite(out[1]).all()
+
+
+# --- Storage conversion: fp16/bf16 inputs reach the float32 accumulators exactly -------------------
+
+SMALLEST_SUBNORMAL = {torch.float16: 2.0 ** -24, torch.bfloat16: 2.0 ** -133}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [1, 3, 40], ids=["decode_n1", "decode_n3", "tiled"])
+@pytest.mark.parametrize("d", [64, 40])  # whole vectors (read in place) and a ragged tail
+def test_low_precision_inputs_convert_exactly(cpu_variant, dtype, n, d):
+    """Subnormal, zero, infinite and NaN fp16/bf16 values enter the kernels exactly.
+
+    With q = 0 every key gets weight 1/m, so out = mean over keys of V. V holds small integer
+    multiples of the dtype's smallest subnormal, whose float32 sum is exact: the output must equal
+    the exactly rounded mean, bit for bit. Column 1 holds one +inf (output +inf), column 2 one NaN
+    (output NaN), column 3 signed zeros (output 0); K holds subnormals too (scores stay 0)."""
+    m = 64
+    unit = SMALLEST_SUBNORMAL[dtype]
+    j = torch.arange(m, dtype=torch.float64)[:, None]
+    c = torch.arange(d, dtype=torch.float64)[None, :]
+    ints = 1 + (j * 7 + c * 13) % 100  # 1..100: subnormal in both dtypes
+    v = (ints * unit).to(dtype)
+    assert (v.double() == ints * unit).all() and (v != 0).all()  # really subnormal, not flushed
+    v[5, 1] = float("inf")
+    v[9, 2] = float("nan")
+    v[:, 3] = torch.where(j[:, 0] % 2 == 0, 0.0, -0.0).to(dtype)
+    v = v.expand(2, m, d).contiguous()
+    k = (ints[:, : min(d, 16)].expand(m, min(d, 16)) * unit).to(dtype).expand(2, m, -1).contiguous()
+    q = torch.zeros(2, n, k.shape[-1], dtype=dtype)
+    out = attention_ext.attention(q, k, v)
+    expected = (ints * unit).mean(0).to(dtype).expand(2, n, d)
+    if cpu_variant == "avx512bf16" and dtype == torch.bfloat16 and n > 8:
+        # The AVX512-BF16 dot-product instruction (the bf16 tiled forward of that variant) treats
+        # subnormal inputs and results as zero, as oneDNN's bf16 GEMMs on that hardware do.
+        expected = torch.zeros_like(expected)
+    finite = torch.ones(d, dtype=torch.bool)
+    finite[1:4] = False
+    assert torch.equal(out[..., finite], expected[..., finite])
+    assert (out[..., 1] == float("inf")).all()
+    assert out[..., 2].isnan().all()
+    assert (out[..., 3] == 0).all()

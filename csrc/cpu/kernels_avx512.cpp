@@ -12,6 +12,9 @@
 #include "kernel_table.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
+// The intrinsics carry their own target attributes, so the header is included before the pragma.
+#include <immintrin.h>
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,bmi2")
 
