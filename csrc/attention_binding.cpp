@@ -221,6 +221,14 @@ AttentionParams make_params(const AttentionShape& shape, const at::Tensor& q, co
   return p;
 }
 
+std::pair<at::Tensor, at::Tensor> attach_row_shift(AttentionParams& p, const at::Tensor& lse,
+                                                   const AttentionShape& shape) {
+  at::Tensor hi = at::empty(lse.sizes(), lse.options()), lo = at::empty(lse.sizes(), lse.options());
+  p.shift_hi = make_row_ref(hi, shape.batch);
+  p.shift_lo = make_row_ref(lo, shape.batch);
+  return {hi, lo};
+}
+
 BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
                               const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const std::optional<at::Tensor>& attn_mask, const at::Tensor& out,
@@ -278,11 +286,8 @@ BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at
     p.grad_lse = make_row_ref(call.grad_lse_acc, shape.batch);
   }
   call.delta = at::empty(lse_shape, lse.options());
-  call.shift_hi = at::empty(lse_shape, lse.options());
-  call.shift_lo = at::empty(lse_shape, lse.options());
   p.delta = make_row_ref(call.delta, shape.batch);
-  p.shift_hi = make_row_ref(call.shift_hi, shape.batch);
-  p.shift_lo = make_row_ref(call.shift_lo, shape.batch);
+  std::tie(call.shift_hi, call.shift_lo) = attach_row_shift(p, lse, shape);
   p.grad_q = make_ref(call.grad_q, shape.batch);
   p.grad_k = make_ref(call.grad_k, shape.batch);
   p.grad_v = make_ref(call.grad_v, shape.batch);

@@ -42,6 +42,11 @@ std::pair<at::Tensor, at::Tensor> allocate_forward_outputs(const AttentionShape&
 // attention_probs runs the forward with a value of no columns (so it computes only the lse).
 at::Tensor empty_value_for(const at::Tensor& key);
 
+// The row-shift scratch (AttentionParams::shift_hi / shift_lo): two tensors shaped like lse,
+// attached to p. The caller keeps them alive while p is in use.
+std::pair<at::Tensor, at::Tensor> attach_row_shift(AttentionParams& p, const at::Tensor& lse,
+                                                   const AttentionShape& shape);
+
 // Checks dropout_keep_mask's arguments and allocates its (batch..., n, m) bool result on
 // rng_state's device; *batch_numel receives the product of batch_shape.
 at::Tensor allocate_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_shape, int64_t n,

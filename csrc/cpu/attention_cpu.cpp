@@ -130,9 +130,7 @@ at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
   AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, 0.0, {});
   const at::Tensor& lse = std::get<1>(lse_pair);
   p.lse = make_row_ref(lse, shape.batch);
-  at::Tensor shift_hi = at::empty_like(lse), shift_lo = at::empty_like(lse);
-  p.shift_hi = make_row_ref(shift_hi, shape.batch);
-  p.shift_lo = make_row_ref(shift_lo, shape.batch);
+  const auto row_shift = attach_row_shift(p, lse, shape);
   p.probs = make_ref(probs, shape.batch);
   const int64_t items = p.batch_numel * ceil_div(shape.n, kBlockM);
   run_items(active_kernels().row_shift, p, items);

@@ -78,7 +78,9 @@ at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
   at::Tensor probs = at::empty(with_tail(shape.batch, {shape.n, shape.m}), q.options());
   if (probs.numel() == 0) return probs;
   AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, 0.0, {});
-  p.lse = make_row_ref(std::get<1>(lse_pair), shape.batch);
+  const at::Tensor& lse = std::get<1>(lse_pair);
+  p.lse = make_row_ref(lse, shape.batch);
+  const auto row_shift = attach_row_shift(p, lse, shape);
   p.probs = make_ref(probs, shape.batch);
   check_launch(attention_probs_cuda(p, c10::cuda::getCurrentCUDAStream()));
   return probs;

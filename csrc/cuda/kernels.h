@@ -20,9 +20,9 @@ struct BackwardPlan {
 
 // Forward: writes p.out and p.lse.
 cudaError_t attention_fwd_cuda(const AttentionParams& p, cudaStream_t stream);
-// Attention probabilities from a saved p.lse: writes p.probs.
+// Attention probabilities from a saved p.lse: writes p.shift_hi / p.shift_lo (scratch), then p.probs.
 cudaError_t attention_probs_cuda(const AttentionParams& p, cudaStream_t stream);
-// Backward: writes p.delta (scratch), then the gradients the plan asks for.
+// Backward: writes p.shift_hi / p.shift_lo and p.delta (scratch), then the gradients the plan asks for.
 cudaError_t attention_bwd_cuda(const AttentionParams& p, const BackwardPlan& plan, cudaStream_t stream);
 // Dropout keep mask (batch, n, m) contiguous bool, with (seed, offset) read from device memory.
 cudaError_t dropout_keep_mask_cuda(const int64_t* rng_state_device, uint32_t threshold, int64_t batch,

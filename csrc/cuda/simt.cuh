@@ -13,7 +13,7 @@
 // Forward:  item = (batch index, query tile, d_v chunk); online softmax in log2 units as on the
 //           CPU; the d_v-chunk-0 CTA writes lse.
 // Backward (deterministic, no atomics, same ownership as the CPU):
-//   delta:  one warp per query row: rowsum(dO ∘ O) − dlse.
+//   delta:  one thread per query row: rowsum(dO ∘ O) − dlse, in the column order of dP.
 //   kv:     item = (K owner, key tile, column chunk); loops over the broadcast batch positions of
 //           K/V and the query tiles; dV += (P∘Z)ᵀ dO, dK += dSᵀ Q (· scale at the end).
 //   q:      item = (Q owner, query tile, column chunk); loops over broadcast positions and key
@@ -21,7 +21,10 @@
 //   mask:   item = (mask owner, mask row tile, mask key tile (or all when the mask broadcasts over
 //           keys)); sums dS over broadcast positions, then over broadcast rows/cols in a fixed
 //           order through shared memory.
-// Probabilities: item = (batch index, query tile, key tile): P = 2^(s − lse·log2 e).
+// Row shift: item = (batch index, query tile): the exact softmax shift of rows whose lse is too
+//           large in magnitude to rebuild P from (as the CPU's row_shift); run before the
+//           backward passes and the probabilities.
+// Probabilities: item = (batch index, query tile, key tile): P = 2^((s − shift_hi) − shift_lo).
 #pragma once
 #include "common.cuh"
 #include "kernels.h"
@@ -159,16 +162,14 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
         }
       tile_max = row_max8(tile_max);
       const A m_new = fmax(m_run, tile_max);
+      // Nothing visible yet in this row (m_new = -inf): shift 0, so masked keys give 0 and NaN
+      // scores (which fmax skips) give NaN, which then reaches the row's sum and output.
+      const A shift = m_new == ninf ? A(0) : m_new;
       A psum = A(0);
-      if (m_new == ninf) {  // nothing visible yet in this row
 #pragma unroll
-        for (int t = 0; t < 8; ++t) s[t] = A(0);
-      } else {
-#pragma unroll
-        for (int t = 0; t < 8; ++t) {
-          s[t] = exp2_acc(s[t] - m_new);
-          psum += s[t];
-        }
+      for (int t = 0; t < 8; ++t) {
+        s[t] = exp2_acc(s[t] - shift);
+        psum += s[t];
       }
       psum = row_sum8(psum);
       if (m_new != ninf) {
@@ -178,9 +179,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
 #pragma unroll
           for (int t = 0; t < 8; ++t) o[t] *= alpha;
         }
-        l_run += psum;
         m_run = m_new;
       }
+      l_run += psum;
       if (ctx.dropout) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -212,7 +213,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
     }
 
     if (r < rows) {
-      const A inv = l_run > A(0) ? A(1) / l_run : A(0);  // fully masked row: output 0
+      // l > 0: a visible row; l == 0: fully masked (output 0, lse -inf); l NaN: NaN scores.
+      const A nan = static_cast<A>(NAN);
+      const A inv = l_run > A(0) ? A(1) / l_run : (l_run == A(0) ? A(0) : nan);
       T* out = static_cast<T*>(p.out.data) + batch_offset(p, p.out, idx) + i * p.out.row_stride;
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -223,8 +226,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
         }
       if (oc == 0 && g == 0) {
         A* lse = static_cast<A*>(p.lse.data) + batch_offset(p, p.lse, idx);
-        lse[i * p.lse.row_stride] =
-            l_run > A(0) ? static_cast<A>((m_run + log2_acc(l_run)) * static_cast<A>(kLn2)) : ninf;
+        lse[i * p.lse.row_stride] = l_run > A(0) ? static_cast<A>((m_run + log2_acc(l_run)) * static_cast<A>(kLn2))
+                                    : (l_run == A(0) ? ninf : nan);
       }
     }
   }
@@ -239,6 +242,105 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
   cudaError_t err = prepare_smem(forward_kernel<T>, smem);
   if (err != cudaSuccess) return err;
   forward_kernel<T><<<grid_for(total), kThreads, smem, stream>>>(p, total);
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row shift.
+
+// Softmax shift of each row (AttentionParams::shift_hi / shift_lo), as the CPU's row_shift:
+// shift_hi = lse·log2(e), shift_lo = 0, except for rows whose |lse·log2(e)| passes
+// exact_shift_threshold, where lse = max + log(sum) has rounded log(sum) away (e.g. −1e9
+// biases): there the exact row max and log2(sum) are recomputed from S in two passes over the
+// visible keys. item = (batch index, query tile); the recomputation runs only for tiles with
+// such a row (a CTA-uniform decision, since tile_dot synchronises the CTA).
+__device__ __forceinline__ float exact_shift_threshold(float) { return 256.0f; }
+__device__ __forceinline__ double exact_shift_threshold(double) { return 1048576.0; }
+
+template <typename A>
+constexpr size_t row_shift_smem() {
+  return sizeof(A) * (kBM * kLdC + kBN * kLdC) + 16;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) row_shift_kernel(const __grid_constant__ AttentionParams p,
+                                                             int64_t total) {
+  using A = typename AccOf<T>::type;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* Qs = reinterpret_cast<A*>(smem_raw);
+  A* Ks = Qs + kBM * kLdC;
+  int* any_large = reinterpret_cast<int*>(Ks + kBN * kLdC);
+  const int tid = threadIdx.x, r = tid >> 3, g = tid & 7;
+  const DevCtx<T> ctx(p);
+  const int64_t n_qt = ceil_div(p.n, kBM);
+  const A ninf = neg_inf<A>();
+  for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
+    const int64_t qt = item % n_qt;
+    const int64_t b = item / n_qt;
+    int64_t idx[kMaxBatchDims];
+    unravel_batch(p, b, idx);
+    const int64_t i0 = qt * kBM;
+    const int64_t rows = imin(kBM, p.n - i0);
+    const int64_t i = i0 + r;
+    A* hi = static_cast<A*>(p.shift_hi.data) + batch_offset(p, p.shift_hi, idx);
+    A* lo = static_cast<A*>(p.shift_lo.data) + batch_offset(p, p.shift_lo, idx);
+    A l2 = ninf;
+    if (r < rows) l2 = static_cast<const A*>(p.lse.data)[batch_offset(p, p.lse, idx) + i * p.lse.row_stride] *
+                       static_cast<A>(kLog2e);
+    const A threshold = exact_shift_threshold(A(0));
+    const bool large = r < rows && l2 != ninf && (l2 > threshold || l2 < -threshold);
+    if (r < rows && g == 0) {
+      hi[i * p.shift_hi.row_stride] = l2;
+      lo[i * p.shift_lo.row_stride] = A(0);
+    }
+    __syncthreads();  // the previous item is done with any_large
+    if (tid == 0) *any_large = 0;
+    __syncthreads();
+    if (large) *any_large = 1;
+    __syncthreads();
+    if (*any_large == 0) continue;
+
+    const T* q = static_cast<const T*>(p.q.data) + batch_offset(p, p.q, idx) + i0 * p.q.row_stride;
+    const T* k = static_cast<const T*>(p.k.data) + batch_offset(p, p.k, idx);
+    const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);
+    const int64_t key_end = visible_key_end(p, i0, rows);
+    A row_max = ninf, row_sum = A(0);
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int64_t j0 = 0; j0 < key_end; j0 += kBN) {
+        const int64_t cols = imin(kBN, p.m - j0);
+        A s[8];
+        tile_dot(s, Qs, Ks, q, p.q.row_stride, p.q.col_stride, rows, k + j0 * p.k.row_stride,
+                 p.k.row_stride, p.k.col_stride, cols, p.dk, r, g);
+        A part = pass == 0 ? ninf : A(0);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = 32 * h + 4 * g + e;
+            const A x = ctx.logit(p, s[h * 4 + e], i, j0 + c, r < rows && c < cols, mask_base);
+            if (pass == 0) part = fmax(part, x);
+            else if (row_max != ninf) part += exp2_acc(x - row_max);
+          }
+        if (pass == 0) row_max = fmax(row_max, row_max8(part));
+        else row_sum += row_sum8(part);
+      }
+    }
+    if (large && g == 0 && row_max != ninf && row_sum > A(0)) {
+      hi[i * p.shift_hi.row_stride] = row_max;
+      lo[i * p.shift_lo.row_stride] = log2_acc(row_sum);
+    }
+  }
+}
+
+template <typename T>
+cudaError_t launch_row_shift(const AttentionParams& p, cudaStream_t stream) {
+  using A = typename AccOf<T>::type;
+  const int64_t total = p.batch_numel * ceil_div(p.n, kBM);
+  if (total <= 0) return cudaSuccess;
+  constexpr size_t smem = row_shift_smem<A>();
+  cudaError_t err = prepare_smem(row_shift_kernel<T>, smem);
+  if (err != cudaSuccess) return err;
+  row_shift_kernel<T><<<grid_for(total), kThreads, smem, stream>>>(p, total);
   return cudaGetLastError();
 }
 
@@ -277,15 +379,17 @@ __global__ void __launch_bounds__(kThreads) probs_kernel(const __grid_constant__
       const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);
       tile_dot(s, Qs, Ks, q, p.q.row_stride, p.q.col_stride, rows, k, p.k.row_stride, p.k.col_stride,
                cols, p.dk, r, g);
-      const A* lse = static_cast<const A*>(p.lse.data) + batch_offset(p, p.lse, idx);
-      const A l2 = r < rows ? lse[i * p.lse.row_stride] * static_cast<A>(kLog2e) : ninf;
+      const A* shift_hi = static_cast<const A*>(p.shift_hi.data) + batch_offset(p, p.shift_hi, idx);
+      const A* shift_lo = static_cast<const A*>(p.shift_lo.data) + batch_offset(p, p.shift_lo, idx);
+      const A hi = r < rows ? shift_hi[i * p.shift_hi.row_stride] : ninf;
+      const A lo = r < rows ? shift_lo[i * p.shift_lo.row_stride] : A(0);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = 32 * h + 4 * g + e;
           const A x = ctx.logit(p, s[h * 4 + e], i, j0 + c, r < rows && c < cols, mask_base);
-          s[h * 4 + e] = l2 == ninf ? A(0) : exp2_acc(x - l2);
+          s[h * 4 + e] = hi == ninf ? A(0) : exp2_acc((x - hi) - lo);
         }
     } else {
 #pragma unroll
@@ -310,23 +414,25 @@ cudaError_t launch_probs(const AttentionParams& p, cudaStream_t stream) {
   const int64_t total = p.batch_numel * ceil_div(p.n, kBM) * ceil_div(p.m, kBN);
   if (total <= 0) return cudaSuccess;
   constexpr size_t smem = probs_smem<A>();
-  cudaError_t err = prepare_smem(probs_kernel<T>, smem);
+  cudaError_t err = launch_row_shift<T>(p, stream);
   if (err != cudaSuccess) return err;
+  if ((err = prepare_smem(probs_kernel<T>, smem)) != cudaSuccess) return err;
   probs_kernel<T><<<grid_for(total), kThreads, smem, stream>>>(p, total);
   return cudaGetLastError();
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward: delta = rowsum(dO ∘ O) − dlse, one warp per query row.
+// Backward: delta = rowsum(dO ∘ O) − dlse, one thread per query row, summed in column order:
+// the order in which tile_dot sums dP = dO Vᵀ, so that where P is one-hot (huge scores) the
+// output row is that V row and dP − delta is exactly 0, as it is on the CPU, instead of a rounding
+// difference that a huge scale turns into an overflowing dQ.
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) delta_kernel(const __grid_constant__ AttentionParams p,
                                                          int64_t total_rows) {
   using A = typename AccOf<T>::type;
-  const int lane = threadIdx.x & 31;
-  const int64_t warps_per_grid = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
-       row < total_rows; row += warps_per_grid) {
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; row < total_rows;
+       row += static_cast<int64_t>(gridDim.x) * kThreads) {
     const int64_t b = row / p.n, i = row % p.n;
     int64_t idx[kMaxBatchDims];
     unravel_batch(p, b, idx);
@@ -334,15 +440,11 @@ __global__ void __launch_bounds__(kThreads) delta_kernel(const __grid_constant__
     const T* dout = static_cast<const T*>(p.grad_out.data) + batch_offset(p, p.grad_out, idx) +
                     i * p.grad_out.row_stride;
     A sum = A(0);
-    for (int64_t c = lane; c < p.dv; c += 32)
-      sum += to_acc(out[c * p.out.col_stride]) * to_acc(dout[c * p.grad_out.col_stride]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
-    if (lane == 0) {
-      if (p.grad_lse.data != nullptr)
-        sum -= static_cast<const A*>(p.grad_lse.data)[batch_offset(p, p.grad_lse, idx) + i * p.grad_lse.row_stride];
-      static_cast<A*>(p.delta.data)[batch_offset(p, p.delta, idx) + i * p.delta.row_stride] = sum;
-    }
+    for (int64_t c = 0; c < p.dv; ++c)
+      sum += to_acc(dout[c * p.grad_out.col_stride]) * to_acc(out[c * p.out.col_stride]);
+    if (p.grad_lse.data != nullptr)
+      sum -= static_cast<const A*>(p.grad_lse.data)[batch_offset(p, p.grad_lse, idx) + i * p.grad_lse.row_stride];
+    static_cast<A*>(p.delta.data)[batch_offset(p, p.delta, idx) + i * p.delta.row_stride] = sum;
   }
 }
 
@@ -365,10 +467,10 @@ __device__ __forceinline__ void score_gradient(const AttentionParams& p, const D
   const T* dout = static_cast<const T*>(p.grad_out.data) + batch_offset(p, p.grad_out, idx) +
                   i0 * p.grad_out.row_stride;
   const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);
-  A l2 = ninf, delta = A(0);
+  A hi = ninf, lo = A(0), delta = A(0);
   if (r < rows) {
-    l2 = static_cast<const A*>(p.lse.data)[batch_offset(p, p.lse, idx) + i * p.lse.row_stride] *
-         static_cast<A>(kLog2e);
+    hi = static_cast<const A*>(p.shift_hi.data)[batch_offset(p, p.shift_hi, idx) + i * p.shift_hi.row_stride];
+    lo = static_cast<const A*>(p.shift_lo.data)[batch_offset(p, p.shift_lo, idx) + i * p.shift_lo.row_stride];
     delta = static_cast<const A*>(p.delta.data)[batch_offset(p, p.delta, idx) + i * p.delta.row_stride];
   }
   tile_dot(pz, Xs, Ys, q, p.q.row_stride, p.q.col_stride, rows, k, p.k.row_stride, p.k.col_stride, cols,
@@ -384,7 +486,7 @@ __device__ __forceinline__ void score_gradient(const AttentionParams& p, const D
       const int c = 32 * h + 4 * g + e;
       const bool valid = r < rows && c < cols;
       const A x = ctx.logit(p, pz[h * 4 + e], i, j0 + c, valid, mask_base);
-      const A pw = (l2 == ninf || !valid) ? A(0) : exp2_acc(x - l2);
+      const A pw = (hi == ninf || !valid) ? A(0) : exp2_acc((x - hi) - lo);
       const bool keep = !ctx.dropout || w.w[e] >= p.dropout_threshold;
       const A dp = keep ? (ctx.dropout ? ds[h * 4 + e] * ctx.inv_keep : ds[h * 4 + e]) : A(0);
       ds[h * 4 + e] = valid ? pw * (dp - delta) : A(0);
@@ -669,7 +771,8 @@ cudaError_t launch_backward(const AttentionParams& p, const BackwardPlan& plan, 
   cudaError_t err;
   const int64_t rows = p.batch_numel * p.n;
   if (rows <= 0) return cudaSuccess;
-  delta_kernel<T><<<grid_for(ceil_div(rows, kThreads / 32)), kThreads, 0, stream>>>(p, rows);
+  if ((err = launch_row_shift<T>(p, stream)) != cudaSuccess) return err;
+  delta_kernel<T><<<grid_for(ceil_div(rows, kThreads)), kThreads, 0, stream>>>(p, rows);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   if (plan.kv) {
     const int64_t total = owners_of(p, p.grad_k) * ceil_div(p.m, kBN) * imax(1, ceil_div(imax(p.dk, p.dv), OC));
