@@ -1,5 +1,6 @@
 """Build of attention_ext: the CPU kernels always, the CUDA kernels when torch has CUDA and nvcc
-is found (FORCE_CUDA=1 insists, FORCE_CPU=1 skips them).
+is found (FORCE_CUDA=1 insists, FORCE_CPU=1 skips them). ATTENTION_EXT_CUDA_EMULATION=1 is a test
+build that runs the CUDA SIMT kernels on CPU tensors (.ci/cuda_emulation.sh).
 
 Build against the installed torch:  pip install --no-build-isolation .
 """
@@ -37,6 +38,14 @@ def want_cuda():
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 
+def cuda_headers():
+    """The CUDA toolkit's include directory (CUDA_HOME, torch's guess, or /usr/local/cuda)."""
+    for home in (os.environ.get("CUDA_HOME"), CUDA_HOME, "/usr/local/cuda"):
+        if home and os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+            return os.path.join(home, "include")
+    sys.exit("ATTENTION_EXT_CUDA_EMULATION=1 needs the CUDA headers (cuda_runtime.h); set CUDA_HOME")
+
+
 def rel(paths):
     return sorted(os.path.relpath(p, ROOT) for p in paths)
 
@@ -54,6 +63,23 @@ def extensions():
         cxx_flags = [f for f in cxx_flags if f != "-O3"] + ["-O1", "-g", "-fno-omit-frame-pointer", san,
                                                              "-fno-sanitize-recover=all"]
         link_flags.append(san)
+    if _flag("ATTENTION_EXT_CUDA_EMULATION"):
+        # A test build: the CUDA binding and SIMT kernels compiled by the host compiler, registered
+        # for CPU tensors and run on host threads (csrc/cuda/emulation.h). Needs the CUDA headers
+        # only, no GPU and no CUDA runtime; never a build to install.
+        cuda_include = cuda_headers()
+        emulated = ["csrc/cuda/attention_cuda.cpp", "csrc/cuda/emulated_kernels.cpp"]
+        return [
+            CppExtension(
+                "attention_ext._C",
+                cpu_sources + emulated,
+                include_dirs=[os.path.join(ROOT, "csrc"), cuda_include],
+                define_macros=define_macros + [("ATTN_CUDA_EMULATION", None)],
+                # #pragma unroll is nvcc's; the CPU binding's op functions are unregistered there.
+                extra_compile_args={"cxx": cxx_flags + ["-Wno-unknown-pragmas", "-Wno-unused-function"]},
+                extra_link_args=link_flags,
+            )
+        ]
     if want_cuda():
         cuda_sources = rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")) + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
         archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0")

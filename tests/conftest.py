@@ -24,11 +24,38 @@ ATOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bf
 def pytest_report_header(config):
     info = attention_ext.build_info()
     return [f"attention_ext: cpu variant {info['cpu_variant']} (supported: {info['cpu_variants_supported']}), "
-            f"cuda={info['cuda']}, torch {torch.__version__}, threads {torch.get_num_threads()}"]
+            f"cuda={info['cuda']}, cuda_emulation={info.get('cuda_emulation')}, torch {torch.__version__}, "
+            f"threads {torch.get_num_threads()}"]
+
+
+# A build whose CPU ops run the CUDA SIMT kernels on host threads (.ci/cuda_emulation.sh).
+CUDA_EMULATION = attention_ext.build_info().get("cuda_emulation") == "1"
 
 
 def cpu_variants():
+    if CUDA_EMULATION:  # the CUDA kernels run whatever the CPU variant: once is enough
+        return [attention_ext.cpu_variant()]
     return attention_ext.build_info()["cpu_variants_supported"].split(",")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cpu_kernels: tests the CPU kernels' own machinery (ISA variants, the decode path, "
+        "work schedules, scratch memory); skipped where the ops run the emulated CUDA kernels")
+    config.addinivalue_line(
+        "markers", "slow_on_emulation: too large for the CUDA emulation (one host fiber per CUDA thread)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not CUDA_EMULATION:
+        return
+    skip_cpu = pytest.mark.skip(reason="CPU-kernel machinery; this build runs the emulated CUDA kernels")
+    skip_slow = pytest.mark.skip(reason="too large for the CUDA emulation")
+    for item in items:
+        if "cpu_kernels" in item.keywords:
+            item.add_marker(skip_cpu)
+        if "slow_on_emulation" in item.keywords:
+            item.add_marker(skip_slow)
 
 
 @pytest.fixture(params=cpu_variants())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 import attention_ext
@@ -147,6 +148,7 @@ def test_the_same_workload_gives_the_same_bits_whichever_workloads_run_beside_it
             assert_bitwise_equal(res, serial[i], f"thread {t} workload {i}")
 
 
+@pytest.mark.slow_on_emulation
 def test_the_ops_release_the_gil_while_they_run():
     """While a long forward, then a long backward, runs in a worker thread, the main thread keeps
     executing Python code: if an op held the GIL, no main-thread step would fall inside its run."""

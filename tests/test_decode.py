@@ -14,6 +14,9 @@ from attention_ext.reference import attention_reference
 from conftest import ATOL, assert_close_to_reference, low_precision_budget, rand
 
 # One (batch, head) pair and 5000 keys: split into 9 ranges of 576 keys (the last one shorter).
+# The decode path is the CPU kernels' own (the CUDA kernels have one forward for every n).
+pytestmark = pytest.mark.cpu_kernels
+
 SPLIT = dict(batch=(1, 1), m=5000)
 # 64 pairs: one range each.
 UNSPLIT = dict(batch=(4, 16), m=300)

@@ -161,6 +161,7 @@ def test_low_precision_with_masks_dropout_and_strided_storage(dtype, dk, dv, cpu
         assert_close_to_reference(out, ref, dtype, budget)
 
 
+@pytest.mark.cpu_kernels
 @pytest.mark.skipif("avx512bf16" not in cpu_variants(), reason="this CPU has no AVX512-BF16")
 def test_avx512bf16_variant_runs_its_own_bf16_forward():
     # It rounds P to bf16 for the P V product, so its bf16 output differs from the avx512

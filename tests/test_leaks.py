@@ -22,6 +22,7 @@ WARMUP = 500
 SLACK_MIB = 20
 
 pytestmark = [
+    pytest.mark.slow_on_emulation,
     pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc/self/statm"),
     pytest.mark.skipif(os.environ.get("ATTENTION_EXT_SANITIZED") == "1",
                        reason="under AddressSanitizer freed memory sits in ASan's quarantine, so RSS is not "

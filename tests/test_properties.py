@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -483,6 +484,7 @@ def test_gradients_match_autograd_through_the_reference(case):
         assert err <= tol, f"d{name}: max abs error {err:.3e} > {tol:.3e}"
 
 
+@pytest.mark.slow_on_emulation  # thousands of launches; gradcheck runs there in test_backward etc.
 @props(30)
 @given(case=cases(dtypes=[torch.float64], allow_empty=False, lengths=[1, 2, 3, 4, 5],
                   head_dims=[1, 2, 3], budget=600, layouts=LAYOUTS))

@@ -41,6 +41,7 @@ def mem_available_gib():
 
 
 pytestmark = [
+    pytest.mark.slow_on_emulation,
     pytest.mark.skipif(mem_available_gib() < NEEDED_GIB,
                        reason=f"needs {NEEDED_GIB} GiB of available memory for a 4.4 GB key tensor, its "
                               f"gradient and the reference (MemAvailable: {mem_available_gib():.1f} GiB)"),

@@ -162,12 +162,14 @@ at::Tensor dropout_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_
 
 }  // namespace
 
+#ifndef ATTN_CUDA_EMULATION  // there the CUDA binding takes CPU tensors (cuda/emulation.h)
 TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
   m.impl("attention_fwd", &attention_fwd);
   m.impl("attention_bwd", &attention_bwd);
   m.impl("attention_probs", &attention_probs);
   m.impl("dropout_keep_mask", &dropout_keep_mask);
 }
+#endif
 
 }  // namespace cpu
 }  // namespace attention_ext

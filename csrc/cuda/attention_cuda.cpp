@@ -4,11 +4,17 @@
 // in device memory (p.rng_state_device) and are read by the kernels. The stream comes from
 // c10/cuda/CUDAStream.h (what at::cuda::getCurrentCUDAStream forwards to), which keeps this file
 // free of the cuBLAS/cuSPARSE headers ATen/cuda/CUDAContext.h pulls in.
+//
+// In an ATTN_CUDA_EMULATION build (setup.py, ATTENTION_EXT_CUDA_EMULATION=1) the same binding is
+// registered for CPU tensors and the kernels run on host threads (emulation.h): no device, guard
+// or stream.
 #include <ATen/ATen.h>
+#include <torch/library.h>
+#ifndef ATTN_CUDA_EMULATION
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#endif
 
 #include "../attention_binding.h"
 #include "../philox.h"
@@ -17,6 +23,10 @@
 namespace attention_ext {
 namespace cuda {
 namespace {
+
+#ifndef ATTN_CUDA_EMULATION
+using DeviceGuard = c10::cuda::CUDAGuard;
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream(); }
 
 void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* name) {
   TORCH_CHECK(t.device().is_cuda() && t.device() == like.device(), "attention_ext: ", name,
@@ -27,6 +37,21 @@ void check_launch(cudaError_t err) {
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+#else
+struct DeviceGuard {
+  explicit DeviceGuard(const c10::Device&) {}
+};
+cudaStream_t current_stream() { return nullptr; }
+
+void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "attention_ext (CUDA emulation build): ", name,
+              " must be a CPU tensor, got ", t.device());
+}
+
+void check_launch(cudaError_t err) {
+  TORCH_CHECK(err == cudaSuccess, "attention_ext: emulated CUDA launch failed (", static_cast<int>(err), ")");
+}
+#endif
 
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v,
@@ -36,13 +61,13 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
   const AttentionShape shape =
       check_attention_inputs(q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
   check_cuda(q, q, "query");
-  const c10::cuda::CUDAGuard guard(q.device());
+  const DeviceGuard guard(q.device());
   auto [out, lse] = allocate_forward_outputs(shape, q);
   if (lse.numel() == 0) return {out, lse};
   AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
   p.out = make_ref(out, shape.batch);
   p.lse = make_row_ref(lse, shape.batch);
-  check_launch(attention_fwd_cuda(p, c10::cuda::getCurrentCUDAStream()));
+  check_launch(attention_fwd_cuda(p, current_stream()));
   return {out, lse};
 }
 
@@ -52,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& out, const at::Tensor& lse, double scale, int64_t causal, double dropout_p,
     const std::optional<at::Tensor>& rng_state, bool mask_requires_grad) {
   check_cuda(q, q, "query");
-  const c10::cuda::CUDAGuard guard(q.device());
+  const DeviceGuard guard(q.device());
   const BackwardCall call = prepare_backward(grad_out, grad_lse, q, k, v, attn_mask, out, lse, scale,
                                              causal, dropout_p, rng_state, mask_requires_grad);
   const at::Tensor &gq = call.grad_q, &gk = call.grad_k, &gv = call.grad_v, &gmask = call.grad_mask;
@@ -63,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   plan.kv = gk.numel() > 0 || gv.numel() > 0;
   plan.q = gq.numel() > 0;
   plan.mask = mask_requires_grad && gmask.numel() > 0;
-  check_launch(attention_bwd_cuda(p, plan, c10::cuda::getCurrentCUDAStream()));
+  check_launch(attention_bwd_cuda(p, plan, current_stream()));
   return {gq, gk, gv, gmask};
 }
 
@@ -73,7 +98,7 @@ at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
   const at::Tensor v = empty_value_for(k);
   const AttentionShape shape = check_attention_inputs(q, k, v, attn_mask, scale, causal, 0.0, {});
   check_cuda(q, q, "query");
-  const c10::cuda::CUDAGuard guard(q.device());
+  const DeviceGuard guard(q.device());
   const auto lse_pair = attention_fwd(q, k, v, attn_mask, scale, causal, 0.0, {});
   at::Tensor probs = at::empty(with_tail(shape.batch, {shape.n, shape.m}), q.options());
   if (probs.numel() == 0) return probs;
@@ -82,25 +107,29 @@ at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
   p.lse = make_row_ref(lse, shape.batch);
   const auto row_shift = attach_row_shift(p, lse, shape);
   p.probs = make_ref(probs, shape.batch);
-  check_launch(attention_probs_cuda(p, c10::cuda::getCurrentCUDAStream()));
+  check_launch(attention_probs_cuda(p, current_stream()));
   return probs;
 }
 
 at::Tensor dropout_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_shape, int64_t n,
                              int64_t m, double dropout_p) {
-  const c10::cuda::CUDAGuard guard(rng_state.device());
+  const DeviceGuard guard(rng_state.device());
   int64_t batch = 1;
   at::Tensor keep = allocate_keep_mask(rng_state, batch_shape, n, m, dropout_p, &batch);
   const at::Tensor state = rng_state.contiguous();
   if (keep.numel() == 0) return keep;
   check_launch(dropout_keep_mask_cuda(state.data_ptr<int64_t>(), dropout_threshold(dropout_p), batch, n, m,
-                                      keep.data_ptr<bool>(), c10::cuda::getCurrentCUDAStream()));
+                                      keep.data_ptr<bool>(), current_stream()));
   return keep;
 }
 
 }  // namespace
 
+#ifndef ATTN_CUDA_EMULATION
 TORCH_LIBRARY_IMPL(attention_ext, CUDA, m) {
+#else
+TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
+#endif
   m.impl("attention_fwd", &attention_fwd);
   m.impl("attention_bwd", &attention_bwd);
   m.impl("attention_probs", &attention_probs);

@@ -11,6 +11,15 @@
 #include "../attention_params.h"
 #include "../philox.h"
 
+// Kernel launches and dynamic shared memory are spelled through these two macros so that the
+// host emulation (emulation.h, ATTN_CUDA_EMULATION builds) can give them a host meaning.
+#ifndef ATTN_LAUNCH
+#define ATTN_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#endif
+#ifndef ATTN_DYNAMIC_SHARED
+#define ATTN_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
 namespace attention_ext {
 namespace cuda {
 

@@ -64,7 +64,7 @@ cudaError_t dropout_keep_mask_cuda(const int64_t* rng_state_device, uint32_t thr
   if (total <= 0) return cudaSuccess;
   constexpr int kThreads = 256;
   const unsigned grid = static_cast<unsigned>(imin(ceil_div(total, kThreads), 65536 * 8));
-  dropout_keep_mask_kernel<<<grid, kThreads, 0, stream>>>(rng_state_device, threshold, batch, n, m, keep);
+  ATTN_LAUNCH(dropout_keep_mask_kernel, grid, kThreads, 0, stream)(rng_state_device, threshold, batch, n, m, keep);
   return cudaGetLastError();
 }
 

@@ -112,7 +112,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant__ AttentionParams p,
                                                            int64_t total) {
   using A = typename AccOf<T>::type;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  ATTN_DYNAMIC_SHARED(smem_raw);
   A* Qs = reinterpret_cast<A*>(smem_raw);
   A* Ks = Qs + kBM * kLdC;
   A* Ps = Ks + kBN * kLdC;
@@ -241,7 +241,7 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
   constexpr size_t smem = forward_smem<A>();
   cudaError_t err = prepare_smem(forward_kernel<T>, smem);
   if (err != cudaSuccess) return err;
-  forward_kernel<T><<<grid_for(total), kThreads, smem, stream>>>(p, total);
+  ATTN_LAUNCH(forward_kernel<T>, grid_for(total), kThreads, smem, stream)(p, total);
   return cudaGetLastError();
 }
 
@@ -266,7 +266,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) row_shift_kernel(const __grid_constant__ AttentionParams p,
                                                              int64_t total) {
   using A = typename AccOf<T>::type;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  ATTN_DYNAMIC_SHARED(smem_raw);
   A* Qs = reinterpret_cast<A*>(smem_raw);
   A* Ks = Qs + kBM * kLdC;
   int* any_large = reinterpret_cast<int*>(Ks + kBN * kLdC);
@@ -340,7 +340,7 @@ cudaError_t launch_row_shift(const AttentionParams& p, cudaStream_t stream) {
   constexpr size_t smem = row_shift_smem<A>();
   cudaError_t err = prepare_smem(row_shift_kernel<T>, smem);
   if (err != cudaSuccess) return err;
-  row_shift_kernel<T><<<grid_for(total), kThreads, smem, stream>>>(p, total);
+  ATTN_LAUNCH(row_shift_kernel<T>, grid_for(total), kThreads, smem, stream)(p, total);
   return cudaGetLastError();
 }
 
@@ -356,7 +356,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) probs_kernel(const __grid_constant__ AttentionParams p,
                                                          int64_t total) {
   using A = typename AccOf<T>::type;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  ATTN_DYNAMIC_SHARED(smem_raw);
   A* Qs = reinterpret_cast<A*>(smem_raw);
   A* Ks = Qs + kBM * kLdC;
   const int tid = threadIdx.x, r = tid >> 3, g = tid & 7;
@@ -417,7 +417,7 @@ cudaError_t launch_probs(const AttentionParams& p, cudaStream_t stream) {
   cudaError_t err = launch_row_shift<T>(p, stream);
   if (err != cudaSuccess) return err;
   if ((err = prepare_smem(probs_kernel<T>, smem)) != cudaSuccess) return err;
-  probs_kernel<T><<<grid_for(total), kThreads, smem, stream>>>(p, total);
+  ATTN_LAUNCH(probs_kernel<T>, grid_for(total), kThreads, smem, stream)(p, total);
   return cudaGetLastError();
 }
 
@@ -509,7 +509,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kv_kernel(const __grid_constant_
   using A = typename AccOf<T>::type;
   constexpr int OC = BwdCfg<A>::kOC;
   constexpr int NACC = OC / 4;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  ATTN_DYNAMIC_SHARED(smem_raw);
   A* Xs = reinterpret_cast<A*>(smem_raw);
   A* Ys = Xs + kBM * kLdC;
   A* Ps = Ys + kBN * kLdC;
@@ -600,7 +600,7 @@ __global__ void __launch_bounds__(kThreads) bwd_q_kernel(const __grid_constant__
   using A = typename AccOf<T>::type;
   constexpr int OC = BwdCfg<A>::kOC;
   constexpr int NACC = OC / 8;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  ATTN_DYNAMIC_SHARED(smem_raw);
   A* Xs = reinterpret_cast<A*>(smem_raw);
   A* Ys = Xs + kBM * kLdC;
   A* dSs = Ys + kBN * kLdC;
@@ -671,7 +671,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) bwd_mask_kernel(const __grid_constant__ AttentionParams p,
                                                             int64_t total) {
   using A = typename AccOf<T>::type;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  ATTN_DYNAMIC_SHARED(smem_raw);
   A* Xs = reinterpret_cast<A*>(smem_raw);
   A* Ys = Xs + kBM * kLdC;
   A* Gs = Ys + kBN * kLdC;
@@ -772,14 +772,14 @@ cudaError_t launch_backward(const AttentionParams& p, const BackwardPlan& plan, 
   const int64_t rows = p.batch_numel * p.n;
   if (rows <= 0) return cudaSuccess;
   if ((err = launch_row_shift<T>(p, stream)) != cudaSuccess) return err;
-  delta_kernel<T><<<grid_for(ceil_div(rows, kThreads)), kThreads, 0, stream>>>(p, rows);
+  ATTN_LAUNCH(delta_kernel<T>, grid_for(ceil_div(rows, kThreads)), kThreads, 0, stream)(p, rows);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   if (plan.kv) {
     const int64_t total = owners_of(p, p.grad_k) * ceil_div(p.m, kBN) * imax(1, ceil_div(imax(p.dk, p.dv), OC));
     if (total > 0) {
       constexpr size_t smem = bwd_kv_smem<A>();
       if ((err = prepare_smem(bwd_kv_kernel<T>, smem)) != cudaSuccess) return err;
-      bwd_kv_kernel<T><<<grid_for(total), kThreads, smem, stream>>>(p, total);
+      ATTN_LAUNCH(bwd_kv_kernel<T>, grid_for(total), kThreads, smem, stream)(p, total);
       if ((err = cudaGetLastError()) != cudaSuccess) return err;
     }
   }
@@ -788,7 +788,7 @@ cudaError_t launch_backward(const AttentionParams& p, const BackwardPlan& plan, 
     if (total > 0) {
       constexpr size_t smem = bwd_q_smem<A>();
       if ((err = prepare_smem(bwd_q_kernel<T>, smem)) != cudaSuccess) return err;
-      bwd_q_kernel<T><<<grid_for(total), kThreads, smem, stream>>>(p, total);
+      ATTN_LAUNCH(bwd_q_kernel<T>, grid_for(total), kThreads, smem, stream)(p, total);
       if ((err = cudaGetLastError()) != cudaSuccess) return err;
     }
   }
@@ -800,7 +800,7 @@ cudaError_t launch_backward(const AttentionParams& p, const BackwardPlan& plan, 
     if (total > 0) {
       constexpr size_t smem = bwd_mask_smem<A>();
       if ((err = prepare_smem(bwd_mask_kernel<T>, smem)) != cudaSuccess) return err;
-      bwd_mask_kernel<T><<<grid_for(total), kThreads, smem, stream>>>(p, total);
+      ATTN_LAUNCH(bwd_mask_kernel<T>, grid_for(total), kThreads, smem, stream)(p, total);
       if ((err = cudaGetLastError()) != cudaSuccess) return err;
     }
   }

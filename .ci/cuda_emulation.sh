@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The CUDA SIMT kernels, compiled by the host compiler and run on CPU tensors by the emulation in
+# csrc/cuda/emulation.h (every CUDA thread a fiber; __syncthreads and warp shuffles as barriers),
+# against the test suite: the kernels' semantics checked without a GPU. Tests of the CPU kernels'
+# own machinery (ISA variants, decode path, schedules) are marked cpu_kernels and skipped there.
+# The build happens in a scratch copy of the tree so the regular in-place build is left alone.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+work=$(mktemp -d)
+# ATTENTION_EXT_EMULATION_KEEP=1 keeps the scratch tree (build.log, pytest.log) for a look afterwards.
+[ "${ATTENTION_EXT_EMULATION_KEEP:-0}" = 1 ] || trap 'rm -rf "$work"' EXIT
+
+# Tracked and untracked-but-not-ignored files: exactly what a checkout would have.
+git ls-files -z --cached --others --exclude-standard | xargs -0 -I{} cp --parents {} "$work"
+cd "$work"
+
+export ATTENTION_EXT_CUDA_EMULATION=1 FORCE_CPU=1
+MAX_JOBS="${MAX_JOBS:-2}" python setup.py build_ext --inplace > build.log 2>&1 || { tail -50 build.log; exit 1; }
+python -c "import attention_ext, sys; info = attention_ext.build_info(); \
+  sys.exit(0 if info['cuda_emulation'] == '1' and attention_ext.__file__.startswith('$work') \
+  else 'not the emulation build: ' + attention_ext.__file__)"
+status=0
+python -m pytest tests -q -p no:cacheprovider "$@" > pytest.log 2>&1 || status=$?
+tail -15 pytest.log
+[ "$status" = 0 ] || { echo "the test suite on the emulated CUDA kernels failed (exit $status):"; grep -E "^(FAILED|ERROR)" pytest.log | head -40; }
+exit "$status"

@@ -1,0 +1,219 @@
+// A host emulation of the part of CUDA the SIMT kernels (simt.cuh, dispatch.cu) use, so that their
+// logic — tiling, masks, causal bounds, online softmax, dropout streams, the deterministic
+// backward passes — runs and is tested on a machine without a GPU (ATTENTION_EXT_CUDA_EMULATION=1
+// builds, .ci/cuda_emulation.sh). It checks what the kernels compute, not how fast, and not the
+// tensor-core path (tc_forward.cuh: inline PTX), which has no host form.
+//
+// Model: a launch runs its blocks one after another on the calling thread. Every CUDA thread of
+// the block is a fiber (ucontext) with its own stack and threadIdx; fibers run until they reach a
+// barrier, in a fixed order, so an emulated launch is deterministic. __syncthreads() is a barrier
+// of the block's threads, __shfl_xor_sync() an exchange through one slot per thread between two
+// barriers of the warp (all 32 lanes must take part, as the full-mask form requires on a GPU),
+// and dynamic shared memory is one buffer the block's threads share. A barrier that can never
+// complete (threads of a block waiting at different barriers: undefined behaviour on a GPU) aborts
+// with a message instead of hanging. Launches are serialised by a mutex.
+#pragma once
+#ifndef ATTN_CUDA_EMULATION
+#error "emulation.h is only for ATTN_CUDA_EMULATION builds"
+#endif
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <ucontext.h>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace attention_ext {
+namespace cuda_emulation {
+
+struct Fiber;
+
+// Counts arrivals; the waiters of a generation are released when the count is reached.
+struct Barrier {
+  int count = 0;
+  int arrived = 0;
+  uint64_t generation = 0;
+};
+
+struct Fiber {
+  ucontext_t context;
+  unsigned thread = 0, block = 0;
+  Barrier* waiting_on = nullptr;
+  uint64_t waiting_generation = 0;
+  bool done = false;
+  bool ready() const { return !done && (waiting_on == nullptr || waiting_on->generation != waiting_generation); }
+};
+
+// The running launch (one at a time: launches hold launch_mutex).
+struct LaunchState {
+  std::vector<Fiber> fibers;
+  Barrier block_barrier;
+  std::vector<Barrier> warp_barriers;
+  std::vector<uint64_t> slots;  // one 8-byte value per thread for shuffles
+  ucontext_t scheduler;
+  Fiber* current = nullptr;
+  unsigned grid = 0;
+  std::function<void()> body;
+};
+
+// The largest dynamic shared memory a kernel may ask for (an H100/H200 block's maximum).
+constexpr size_t kSharedBytes = 227 * 1024;
+constexpr size_t kFiberStack = 128 * 1024;
+alignas(64) inline unsigned char shared_memory[kSharedBytes];
+inline std::mutex launch_mutex;
+// Fiber stacks, kept from launch to launch (gradcheck makes thousands of small launches).
+inline std::vector<std::unique_ptr<char[]>> fiber_stacks;
+inline LaunchState* state = nullptr;
+inline dim3 thread_index, block_index, block_dim, grid_dim;
+
+inline void wait_at(Barrier& barrier) {
+  Fiber& self = *state->current;
+  self.waiting_on = &barrier;
+  self.waiting_generation = barrier.generation;
+  if (++barrier.arrived == barrier.count) {
+    barrier.arrived = 0;
+    ++barrier.generation;  // releases every waiter, this fiber included
+    return;
+  }
+  swapcontext(&self.context, &state->scheduler);
+}
+
+inline void fiber_main() {
+  Fiber& self = *state->current;
+  for (unsigned b = 0; b < state->grid; ++b) {
+    self.block = b;
+    block_index = dim3(b, 1, 1);
+    state->body();
+    wait_at(state->block_barrier);  // the next block starts with shared memory free
+  }
+  self.done = true;
+  // Returning switches to uc_link, the scheduler.
+}
+
+template <typename... Params>
+struct Launch {
+  void (*kernel)(Params...);
+  dim3 grid, block;
+  size_t smem;
+
+  template <typename... Args>
+  void operator()(Args&&... args) const {
+    const int threads = static_cast<int>(block.x * block.y * block.z);
+    if (block.y != 1 || block.z != 1 || grid.y != 1 || grid.z != 1 || threads % 32 != 0) {
+      fprintf(stderr, "cuda emulation: only 1-d grids of whole warps are emulated\n");
+      abort();
+    }
+    if (smem > kSharedBytes) {
+      fprintf(stderr, "cuda emulation: %zu bytes of shared memory asked, %zu available\n", smem,
+              kSharedBytes);
+      abort();
+    }
+    if (grid.x == 0) return;
+    std::lock_guard<std::mutex> lock(launch_mutex);
+    LaunchState launch;
+    launch.grid = grid.x;
+    launch.block_barrier.count = threads;
+    launch.warp_barriers.resize(threads / 32);
+    for (Barrier& w : launch.warp_barriers) w.count = 32;
+    launch.slots.resize(threads);
+    void (*entry)(Params...) = kernel;
+    launch.body = [&] { entry(args...); };
+    launch.fibers.resize(threads);
+    while (fiber_stacks.size() < static_cast<size_t>(threads)) fiber_stacks.emplace_back(new char[kFiberStack]);
+    for (int t = 0; t < threads; ++t) {
+      Fiber& f = launch.fibers[t];
+      f.thread = static_cast<unsigned>(t);
+      getcontext(&f.context);
+      f.context.uc_stack.ss_sp = fiber_stacks[t].get();
+      f.context.uc_stack.ss_size = kFiberStack;
+      f.context.uc_link = &launch.scheduler;
+      makecontext(&f.context, fiber_main, 0);
+    }
+    state = &launch;
+    block_dim = block;
+    grid_dim = grid;
+    // Round-robin over the fibers that can run until all are done.
+    for (;;) {
+      bool ran = false, all_done = true;
+      for (Fiber& f : launch.fibers) {
+        if (f.done) continue;
+        all_done = false;
+        if (!f.ready()) continue;
+        f.waiting_on = nullptr;
+        launch.current = &f;
+        thread_index = dim3(f.thread, 1, 1);
+        block_index = dim3(f.block, 1, 1);
+        swapcontext(&launch.scheduler, &f.context);
+        ran = true;
+      }
+      if (all_done) break;
+      if (!ran) {
+        fprintf(stderr, "cuda emulation: the threads of a block wait at different barriers (deadlock)\n");
+        abort();
+      }
+    }
+    state = nullptr;
+  }
+};
+
+template <typename... Params>
+Launch<Params...> launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem) {
+  return Launch<Params...>{kernel, grid, block, smem};
+}
+
+}  // namespace cuda_emulation
+}  // namespace attention_ext
+
+// Launch attributes mean nothing here (nvcc's host pass drops them the same way).
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+#undef __grid_constant__
+#define __grid_constant__
+
+// The CUDA built-ins, as the kernels spell them.
+#define threadIdx (::attention_ext::cuda_emulation::thread_index)
+#define blockIdx (::attention_ext::cuda_emulation::block_index)
+#define blockDim (::attention_ext::cuda_emulation::block_dim)
+#define gridDim (::attention_ext::cuda_emulation::grid_dim)
+
+inline void __syncthreads() {
+  using namespace ::attention_ext::cuda_emulation;
+  wait_at(state->block_barrier);
+}
+
+template <typename V>
+inline V __shfl_xor_sync(unsigned mask, V value, int lane_mask) {
+  static_assert(sizeof(V) <= 8, "shuffles of at most 8 bytes");
+  using namespace ::attention_ext::cuda_emulation;
+  if (mask != 0xFFFFFFFFu) {
+    fprintf(stderr, "cuda emulation: only full-warp shuffles are emulated\n");
+    abort();
+  }
+  const unsigned t = thread_index.x, lane = t & 31u;
+  Barrier& warp = state->warp_barriers[t >> 5];
+  memcpy(&state->slots[t], &value, sizeof(V));
+  wait_at(warp);
+  V other;
+  memcpy(&other, &state->slots[(t & ~31u) | (lane ^ static_cast<unsigned>(lane_mask))], sizeof(V));
+  wait_at(warp);  // every lane has read before any slot is written again
+  return other;
+}
+
+// Launch configuration and the runtime calls the launchers make.
+#define ATTN_LAUNCH(kernel, grid, block, smem, stream) \
+  ::attention_ext::cuda_emulation::launch(kernel, dim3(grid), dim3(block), smem)
+#define ATTN_DYNAMIC_SHARED(name) \
+  unsigned char* name = ::attention_ext::cuda_emulation::shared_memory
+
+// What cuda_runtime.h's template wrapper does under nvcc; every size up to kSharedBytes is fine.
+template <typename... Params>
+inline cudaError_t cudaFuncSetAttribute(void (*)(Params...), cudaFuncAttribute, int) {
+  return cudaSuccess;
+}
