@@ -100,6 +100,24 @@ __device__ __forceinline__ A row_sum8(A v) {
   return v;
 }
 
+// The log2-domain logits of a query tile (rows valid, starting at row i0; q points at it) against
+// a key tile (cols valid, starting at key j0; k points at it) in the score layout: scaled, masked
+// and causal as DevCtx::logit, -inf outside the tile. mask_base: the batch position's mask offset.
+template <typename T, typename A>
+__device__ __forceinline__ void tile_logits(A (&s)[8], const AttentionParams& p, const DevCtx<T>& ctx, A* Xs,
+                                            A* Ys, const T* q, int64_t i0, int64_t rows, const T* k,
+                                            int64_t j0, int64_t cols, int64_t mask_base, int r, int g) {
+  tile_dot(s, Xs, Ys, q, p.q.row_stride, p.q.col_stride, rows, k, p.k.row_stride, p.k.col_stride, cols,
+           p.dk, r, g);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = 32 * h + 4 * g + e;
+      s[h * 4 + e] = ctx.logit(p, s[h * 4 + e], i0 + r, j0 + c, r < rows && c < cols, mask_base);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
@@ -148,18 +166,10 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
     for (int64_t j0 = 0; j0 < key_end; j0 += kBN) {
       const int64_t cols = imin(kBN, p.m - j0);
       A s[8];
-      tile_dot(s, Qs, Ks, q, p.q.row_stride, p.q.col_stride, rows, k + j0 * p.k.row_stride,
-               p.k.row_stride, p.k.col_stride, cols, p.dk, r, g);
+      tile_logits(s, p, ctx, Qs, Ks, q, i0, rows, k + j0 * p.k.row_stride, j0, cols, mask_base, r, g);
       A tile_max = ninf;
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = 32 * h + 4 * g + e;
-          const A x = ctx.logit(p, s[h * 4 + e], i, j0 + c, r < rows && c < cols, mask_base);
-          s[h * 4 + e] = x;
-          tile_max = fmax(tile_max, x);
-        }
+      for (int t = 0; t < 8; ++t) tile_max = fmax(tile_max, s[t]);
       tile_max = row_max8(tile_max);
       const A m_new = fmax(m_run, tile_max);
       // Nothing visible yet in this row (m_new = -inf): shift 0, so masked keys give 0 and NaN
@@ -309,18 +319,13 @@ __global__ void __launch_bounds__(kThreads) row_shift_kernel(const __grid_consta
       for (int64_t j0 = 0; j0 < key_end; j0 += kBN) {
         const int64_t cols = imin(kBN, p.m - j0);
         A s[8];
-        tile_dot(s, Qs, Ks, q, p.q.row_stride, p.q.col_stride, rows, k + j0 * p.k.row_stride,
-                 p.k.row_stride, p.k.col_stride, cols, p.dk, r, g);
+        tile_logits(s, p, ctx, Qs, Ks, q, i0, rows, k + j0 * p.k.row_stride, j0, cols, mask_base, r, g);
         A part = pass == 0 ? ninf : A(0);
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = 32 * h + 4 * g + e;
-            const A x = ctx.logit(p, s[h * 4 + e], i, j0 + c, r < rows && c < cols, mask_base);
-            if (pass == 0) part = fmax(part, x);
-            else if (row_max != ninf) part += exp2_acc(x - row_max);
-          }
+        for (int t = 0; t < 8; ++t) {
+          if (pass == 0) part = fmax(part, s[t]);
+          else if (row_max != ninf) part += exp2_acc(s[t] - row_max);
+        }
         if (pass == 0) row_max = fmax(row_max, row_max8(part));
         else row_sum += row_sum8(part);
       }
@@ -377,20 +382,13 @@ __global__ void __launch_bounds__(kThreads) probs_kernel(const __grid_constant__
       const T* q = static_cast<const T*>(p.q.data) + batch_offset(p, p.q, idx) + i0 * p.q.row_stride;
       const T* k = static_cast<const T*>(p.k.data) + batch_offset(p, p.k, idx) + j0 * p.k.row_stride;
       const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);
-      tile_dot(s, Qs, Ks, q, p.q.row_stride, p.q.col_stride, rows, k, p.k.row_stride, p.k.col_stride,
-               cols, p.dk, r, g);
+      tile_logits(s, p, ctx, Qs, Ks, q, i0, rows, k, j0, cols, mask_base, r, g);
       const A* shift_hi = static_cast<const A*>(p.shift_hi.data) + batch_offset(p, p.shift_hi, idx);
       const A* shift_lo = static_cast<const A*>(p.shift_lo.data) + batch_offset(p, p.shift_lo, idx);
       const A hi = r < rows ? shift_hi[i * p.shift_hi.row_stride] : ninf;
       const A lo = r < rows ? shift_lo[i * p.shift_lo.row_stride] : A(0);
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = 32 * h + 4 * g + e;
-          const A x = ctx.logit(p, s[h * 4 + e], i, j0 + c, r < rows && c < cols, mask_base);
-          s[h * 4 + e] = hi == ninf ? A(0) : exp2_acc((x - hi) - lo);
-        }
+      for (int t = 0; t < 8; ++t) s[t] = hi == ninf ? A(0) : exp2_acc((s[t] - hi) - lo);
     } else {
 #pragma unroll
       for (int t = 0; t < 8; ++t) s[t] = A(0);
@@ -473,8 +471,7 @@ __device__ __forceinline__ void score_gradient(const AttentionParams& p, const D
     lo = static_cast<const A*>(p.shift_lo.data)[batch_offset(p, p.shift_lo, idx) + i * p.shift_lo.row_stride];
     delta = static_cast<const A*>(p.delta.data)[batch_offset(p, p.delta, idx) + i * p.delta.row_stride];
   }
-  tile_dot(pz, Xs, Ys, q, p.q.row_stride, p.q.col_stride, rows, k, p.k.row_stride, p.k.col_stride, cols,
-           p.dk, r, g);
+  tile_logits(pz, p, ctx, Xs, Ys, q, i0, rows, k, j0, cols, mask_base, r, g);
   tile_dot(ds, Xs, Ys, dout, p.grad_out.row_stride, p.grad_out.col_stride, rows, v, p.v.row_stride,
            p.v.col_stride, cols, p.dv, r, g);
 #pragma unroll
@@ -485,8 +482,7 @@ __device__ __forceinline__ void score_gradient(const AttentionParams& p, const D
     for (int e = 0; e < 4; ++e) {
       const int c = 32 * h + 4 * g + e;
       const bool valid = r < rows && c < cols;
-      const A x = ctx.logit(p, pz[h * 4 + e], i, j0 + c, valid, mask_base);
-      const A pw = (hi == ninf || !valid) ? A(0) : exp2_acc((x - hi) - lo);
+      const A pw = (hi == ninf || !valid) ? A(0) : exp2_acc((pz[h * 4 + e] - hi) - lo);
       const bool keep = !ctx.dropout || w.w[e] >= p.dropout_threshold;
       const A dp = keep ? (ctx.dropout ? ds[h * 4 + e] * ctx.inv_keep : ds[h * 4 + e]) : A(0);
       ds[h * 4 + e] = valid ? pw * (dp - delta) : A(0);
