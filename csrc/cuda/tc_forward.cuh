@@ -187,7 +187,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int h = e >> 1;
-          const float pv = mx[h] == ninf ? 0.0f : exp2f(s[nt][e] - mx[h]);
+          // No visible key yet (max -inf): shift 0, so masked keys give 0 and NaN scores (which
+          // fmaxf skips) give NaN, which reaches the row's sum and output, as on the CPU.
+          const float pv = exp2f(s[nt][e] - (mx[h] == ninf ? 0.0f : mx[h]));
           s[nt][e] = pv;
           psum[h] += pv;
         }
@@ -237,14 +239,15 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
       }
     }
 
-    // Epilogue: O / l (0 for a fully masked row), lse = (m + log2 l) ln 2.
+    // Epilogue: O / l, lse = (m + log2 l) ln 2; l == 0: fully masked row (output 0, lse -inf);
+    // l NaN: NaN scores (output and lse NaN).
     T* out = static_cast<T*>(p.out.data) + batch_offset(p, p.out, idx);
     float* lse = static_cast<float*>(p.lse.data) + batch_offset(p, p.lse, idx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t i = h == 0 ? ia : ib;
       if (i >= p.n) continue;
-      const float inv = l_run[h] > 0.0f ? 1.0f / l_run[h] : 0.0f;
+      const float inv = l_run[h] > 0.0f ? 1.0f / l_run[h] : (l_run[h] == 0.0f ? 0.0f : NAN);
       T* orow = out + i * p.out.row_stride;
 #pragma unroll
       for (int nt = 0; nt < D / 8; ++nt) {
@@ -253,8 +256,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
         store_acc(o[nt][2 * h + 1] * inv, orow + (c + 1) * p.out.col_stride);
       }
       if (t4 == 0)
-        lse[i * p.lse.row_stride] =
-            l_run[h] > 0.0f ? (m_run[h] + log2f(l_run[h])) * static_cast<float>(kLn2) : ninf;
+        lse[i * p.lse.row_stride] = l_run[h] > 0.0f ? (m_run[h] + log2f(l_run[h])) * static_cast<float>(kLn2)
+                                                    : (l_run[h] == 0.0f ? ninf : NAN);
     }
   }
 }
