@@ -5,13 +5,17 @@
 // tensor-core path (tc_forward.cuh: inline PTX), which has no host form.
 //
 // Model: a launch runs its blocks one after another on the calling thread. Every CUDA thread of
-// the block is a fiber (ucontext) with its own stack and threadIdx; fibers run until they reach a
-// barrier, in a fixed order, so an emulated launch is deterministic. __syncthreads() is a barrier
-// of the block's threads, __shfl_xor_sync() an exchange through one slot per thread between two
-// barriers of the warp (all 32 lanes must take part, as the full-mask form requires on a GPU),
-// and dynamic shared memory is one buffer the block's threads share. A barrier that can never
-// complete (threads of a block waiting at different barriers: undefined behaviour on a GPU) aborts
-// with a message instead of hanging. Launches are serialised by a mutex.
+// the block is a fiber (ucontext, own stack below a guard page, own threadIdx); fibers run until
+// they reach a barrier. __syncthreads() is a barrier of the block's threads, __shfl_xor_sync() an
+// exchange through one slot per thread between two barriers of the warp (all 32 lanes must take
+// part, as the full-mask form requires on a GPU), and the end of a block is a barrier of its own.
+// Threads waiting at different barriers (a __syncthreads some threads skip: undefined behaviour
+// on a GPU) abort with a message instead of hanging or passing.
+// To expose missing barriers and uninitialised reads: dynamic shared memory is exactly the
+// launch's size, filled with 0xFF bytes (NaN floats) before every block, and fibers run in
+// ascending thread order in even-numbered launches and descending in odd ones, so a read that
+// depends on another thread's write without a barrier in between fails in one of the two.
+// Launches are serialised by a mutex.
 #pragma once
 #ifndef ATTN_CUDA_EMULATION
 #error "emulation.h is only for ATTN_CUDA_EMULATION builds"
@@ -23,7 +27,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include <functional>
 #include <memory>
@@ -32,8 +38,6 @@
 
 namespace attention_ext {
 namespace cuda_emulation {
-
-struct Fiber;
 
 // Counts arrivals; the waiters of a generation are released when the count is reached.
 struct Barrier {
@@ -54,9 +58,10 @@ struct Fiber {
 // The running launch (one at a time: launches hold launch_mutex).
 struct LaunchState {
   std::vector<Fiber> fibers;
-  Barrier block_barrier;
+  Barrier sync_barrier, end_barrier;
   std::vector<Barrier> warp_barriers;
   std::vector<uint64_t> slots;  // one 8-byte value per thread for shuffles
+  std::vector<unsigned char> shared;  // dynamic shared memory, exactly the launch's size
   ucontext_t scheduler;
   Fiber* current = nullptr;
   unsigned grid = 0;
@@ -66,12 +71,33 @@ struct LaunchState {
 // The largest dynamic shared memory a kernel may ask for (an H100/H200 block's maximum).
 constexpr size_t kSharedBytes = 227 * 1024;
 constexpr size_t kFiberStack = 128 * 1024;
-alignas(64) inline unsigned char shared_memory[kSharedBytes];
+
+// A fiber stack with an inaccessible page below it, so an overflow faults instead of writing
+// into its neighbour. Kept from launch to launch (gradcheck makes thousands of small launches).
+struct FiberStack {
+  void* region = nullptr;
+  size_t guard = 0;
+  FiberStack() {
+    guard = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    region = mmap(nullptr, guard + kFiberStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (region == MAP_FAILED || mprotect(region, guard, PROT_NONE) != 0) {
+      fprintf(stderr, "cuda emulation: cannot map a fiber stack\n");
+      abort();
+    }
+  }
+  ~FiberStack() { munmap(region, guard + kFiberStack); }
+  FiberStack(const FiberStack&) = delete;
+  FiberStack& operator=(const FiberStack&) = delete;
+  void* base() const { return static_cast<char*>(region) + guard; }
+};
+
 inline std::mutex launch_mutex;
-// Fiber stacks, kept from launch to launch (gradcheck makes thousands of small launches).
-inline std::vector<std::unique_ptr<char[]>> fiber_stacks;
+inline std::vector<std::unique_ptr<FiberStack>> fiber_stacks;
+inline uint64_t launch_count = 0;
 inline LaunchState* state = nullptr;
 inline dim3 thread_index, block_index, block_dim, grid_dim;
+
+inline void fill_shared() { memset(state->shared.data(), 0xFF, state->shared.size()); }
 
 inline void wait_at(Barrier& barrier) {
   Fiber& self = *state->current;
@@ -80,6 +106,7 @@ inline void wait_at(Barrier& barrier) {
   if (++barrier.arrived == barrier.count) {
     barrier.arrived = 0;
     ++barrier.generation;  // releases every waiter, this fiber included
+    if (&barrier == &state->end_barrier) fill_shared();  // the next block sees no stale data
     return;
   }
   swapcontext(&self.context, &state->scheduler);
@@ -91,7 +118,7 @@ inline void fiber_main() {
     self.block = b;
     block_index = dim3(b, 1, 1);
     state->body();
-    wait_at(state->block_barrier);  // the next block starts with shared memory free
+    wait_at(state->end_barrier);
   }
   self.done = true;
   // Returning switches to uc_link, the scheduler.
@@ -119,30 +146,35 @@ struct Launch {
     std::lock_guard<std::mutex> lock(launch_mutex);
     LaunchState launch;
     launch.grid = grid.x;
-    launch.block_barrier.count = threads;
+    launch.sync_barrier.count = threads;
+    launch.end_barrier.count = threads;
     launch.warp_barriers.resize(threads / 32);
     for (Barrier& w : launch.warp_barriers) w.count = 32;
     launch.slots.resize(threads);
+    launch.shared.resize(smem);
     void (*entry)(Params...) = kernel;
     launch.body = [&] { entry(args...); };
     launch.fibers.resize(threads);
-    while (fiber_stacks.size() < static_cast<size_t>(threads)) fiber_stacks.emplace_back(new char[kFiberStack]);
+    while (fiber_stacks.size() < static_cast<size_t>(threads)) fiber_stacks.emplace_back(new FiberStack());
     for (int t = 0; t < threads; ++t) {
       Fiber& f = launch.fibers[t];
       f.thread = static_cast<unsigned>(t);
       getcontext(&f.context);
-      f.context.uc_stack.ss_sp = fiber_stacks[t].get();
+      f.context.uc_stack.ss_sp = fiber_stacks[t]->base();
       f.context.uc_stack.ss_size = kFiberStack;
       f.context.uc_link = &launch.scheduler;
       makecontext(&f.context, fiber_main, 0);
     }
     state = &launch;
+    fill_shared();
     block_dim = block;
     grid_dim = grid;
-    // Round-robin over the fibers that can run until all are done.
+    const bool descending = (launch_count++ & 1) != 0;
+    // Round robin over the fibers that can run, until all are done.
     for (;;) {
       bool ran = false, all_done = true;
-      for (Fiber& f : launch.fibers) {
+      for (int n = 0; n < threads; ++n) {
+        Fiber& f = launch.fibers[descending ? threads - 1 - n : n];
         if (f.done) continue;
         all_done = false;
         if (!f.ready()) continue;
@@ -185,7 +217,7 @@ Launch<Params...> launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_
 
 inline void __syncthreads() {
   using namespace ::attention_ext::cuda_emulation;
-  wait_at(state->block_barrier);
+  wait_at(state->sync_barrier);
 }
 
 template <typename V>
@@ -210,7 +242,7 @@ inline V __shfl_xor_sync(unsigned mask, V value, int lane_mask) {
 #define ATTN_LAUNCH(kernel, grid, block, smem, stream) \
   ::attention_ext::cuda_emulation::launch(kernel, dim3(grid), dim3(block), smem)
 #define ATTN_DYNAMIC_SHARED(name) \
-  unsigned char* name = ::attention_ext::cuda_emulation::shared_memory
+  unsigned char* name = ::attention_ext::cuda_emulation::state->shared.data()
 
 // What cuda_runtime.h's template wrapper does under nvcc; every size up to kSharedBytes is fine.
 template <typename... Params>
