@@ -260,13 +260,10 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
 
 // Softmax shift of each row (AttentionParams::shift_hi / shift_lo), as the CPU's row_shift:
 // shift_hi = lse·log2(e), shift_lo = 0, except for rows whose |lse·log2(e)| passes
-// exact_shift_threshold, where lse = max + log(sum) has rounded log(sum) away (e.g. −1e9
+// needs_exact_shift (attention_geometry.h), where lse = max + log(sum) has rounded log(sum) away (e.g. −1e9
 // biases): there the exact row max and log2(sum) are recomputed from S in two passes over the
 // visible keys. item = (batch index, query tile); the recomputation runs only for tiles with
 // such a row (a CTA-uniform decision, since tile_dot synchronises the CTA).
-__device__ __forceinline__ float exact_shift_threshold(float) { return 256.0f; }
-__device__ __forceinline__ double exact_shift_threshold(double) { return 1048576.0; }
-
 template <typename A>
 constexpr size_t row_shift_smem() {
   return sizeof(A) * (kBM * kLdC + kBN * kLdC) + 16;
@@ -297,8 +294,7 @@ __global__ void __launch_bounds__(kThreads) row_shift_kernel(const __grid_consta
     A l2 = ninf;
     if (r < rows) l2 = static_cast<const A*>(p.lse.data)[batch_offset(p, p.lse, idx) + i * p.lse.row_stride] *
                        static_cast<A>(kLog2e);
-    const A threshold = exact_shift_threshold(A(0));
-    const bool large = r < rows && l2 != ninf && (l2 > threshold || l2 < -threshold);
+    const bool large = r < rows && needs_exact_shift(l2);
     if (r < rows && g == 0) {
       hi[i * p.shift_hi.row_stride] = l2;
       lo[i * p.shift_lo.row_stride] = A(0);
