@@ -1,6 +1,6 @@
 """Build of attention_ext: the CPU kernels always, the CUDA kernels when torch has CUDA and nvcc
 is found (FORCE_CUDA=1 insists, FORCE_CPU=1 skips them). ATTENTION_EXT_CUDA_EMULATION=1 is a test
-build that runs the CUDA SIMT kernels on CPU tensors (.ci/cuda_emulation.sh).
+build that runs the CUDA kernels on CPU tensors (.ci/cuda_emulation.sh).
 
 Build against the installed torch:  pip install --no-build-isolation .
 """
@@ -64,7 +64,7 @@ def extensions():
                                                              "-fno-sanitize-recover=all"]
         link_flags.append(san)
     if _flag("ATTENTION_EXT_CUDA_EMULATION"):
-        # A test build: the CUDA binding and SIMT kernels compiled by the host compiler, registered
+        # A test build: the CUDA binding and kernels compiled by the host compiler, registered
         # for CPU tensors and run on host threads (csrc/cuda/emulation.h). Needs the CUDA headers
         # only, no GPU and no CUDA runtime; never a build to install.
         cuda_include = cuda_headers()

@@ -28,7 +28,7 @@ def pytest_report_header(config):
             f"threads {torch.get_num_threads()}"]
 
 
-# A build whose CPU ops run the CUDA SIMT kernels on host threads (.ci/cuda_emulation.sh).
+# A build whose CPU ops run the CUDA kernels on host threads (.ci/cuda_emulation.sh).
 CUDA_EMULATION = attention_ext.build_info().get("cuda_emulation") == "1"
 
 

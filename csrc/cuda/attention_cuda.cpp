@@ -67,6 +67,14 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
   AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
   p.out = make_ref(out, shape.batch);
   p.lse = make_row_ref(lse, shape.batch);
+  plan_forward_cuda(p);
+  at::Tensor split_out, split_stats;  // split-KV scratch, released after the launch (stream-ordered)
+  if (p.kv_splits > 1) {
+    split_out = at::empty({p.batch_numel * p.kv_splits * p.n * p.dv}, q.options().dtype(at::kFloat));
+    split_stats = at::empty({p.batch_numel * p.kv_splits * p.n * 2}, q.options().dtype(at::kFloat));
+    p.split_out = split_out.data_ptr();
+    p.split_stats = split_stats.data_ptr();
+  }
   check_launch(attention_fwd_cuda(p, current_stream()));
   return {out, lse};
 }
@@ -78,7 +86,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const std::optional<at::Tensor>& rng_state, bool mask_requires_grad) {
   check_cuda(q, q, "query");
   const DeviceGuard guard(q.device());
-  const BackwardCall call = prepare_backward(grad_out, grad_lse, q, k, v, attn_mask, out, lse, scale,
+  // The tensor-core backward (fp16/bf16) copies dO rows in 16-byte chunks: a gradient without
+  // unit column stride (out.sum().backward() hands in an expanded scalar) is made dense first,
+  // an O(n·d_v) copy, instead of sending the call to the SIMT kernels.
+  const bool low_precision = q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16;
+  const at::Tensor dout = low_precision && grad_out.dim() > 0 && grad_out.numel() > 0 && grad_out.stride(-1) != 1
+                              ? grad_out.contiguous()
+                              : grad_out;
+  const BackwardCall call = prepare_backward(dout, grad_lse, q, k, v, attn_mask, out, lse, scale,
                                              causal, dropout_p, rng_state, mask_requires_grad);
   const at::Tensor &gq = call.grad_q, &gk = call.grad_k, &gv = call.grad_v, &gmask = call.grad_mask;
   if (call.no_rows) return {gq, gk, gv, gmask};

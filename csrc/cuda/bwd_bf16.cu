@@ -1,10 +1,14 @@
-// Backward kernels (delta, dK/dV, dQ, mask gradient) for __nv_bfloat16 storage (SIMT path; see simt.cuh).
+// Backward kernels for __nv_bfloat16 storage: the tensor-core dK/dV and dQ passes (tc_backward.cuh) for
+// head dim 64/128, the SIMT passes (simt.cuh) otherwise; row shift, delta and the mask gradient
+// are SIMT kernels on both paths.
 #include "simt.cuh"
+#include "tc_backward.cuh"
 
 namespace attention_ext {
 namespace cuda {
 
 cudaError_t backward_bf16(const AttentionParams& p, const BackwardPlan& plan, cudaStream_t stream) {
+  if (tc::backward_eligible(p)) return tc::launch_backward<__nv_bfloat16>(p, plan, stream);
   return simt::launch_backward<__nv_bfloat16>(p, plan, stream);
 }
 

@@ -1,9 +1,12 @@
-// Dtype dispatch of the CUDA kernels and the dropout keep-mask kernel.
+// Dtype dispatch of the CUDA kernels, the split-KV plan and the dropout keep-mask kernel.
 #include "common.cuh"
 #include "kernels.h"
+#include "tc_forward.cuh"
 
 namespace attention_ext {
 namespace cuda {
+
+void plan_forward_cuda(AttentionParams& p) { tc::plan_kv_splits(p); }  // only the tensor-core forward splits
 
 cudaError_t attention_fwd_cuda(const AttentionParams& p, cudaStream_t stream) {
   switch (p.dtype) {

@@ -1,4 +1,4 @@
-// The SIMT CUDA kernels compiled by the host compiler for the emulation in emulation.h: built only
+// The CUDA kernels (SIMT and tensor-core) compiled by the host compiler for the emulation in emulation.h: built only
 // by ATTENTION_EXT_CUDA_EMULATION=1 (see setup.py), which registers the CUDA binding for CPU
 // tensors so the test suite exercises these kernels without a GPU.
 #ifdef ATTN_CUDA_EMULATION
@@ -17,6 +17,20 @@
 // The runtime calls the launchers make, answered by the emulation (no CUDA runtime is linked).
 extern "C" {
 cudaError_t CUDARTAPI cudaGetLastError(void) { return cudaSuccess; }
+// One emulated device: an H100/H200 (compute capability 9.0, 132 SMs), so sm_80+ paths and the
+// split-KV plan behave as there.
+cudaError_t CUDARTAPI cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (device != 0) return cudaErrorInvalidDevice;
+  if (attr == cudaDevAttrComputeCapabilityMajor) *value = 9;
+  else if (attr == cudaDevAttrMultiProcessorCount) *value = 132;
+  else if (attr == cudaDevAttrComputeCapabilityMinor) *value = 0;
+  else return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
 const char* CUDARTAPI cudaGetErrorString(cudaError_t) { return "cuda emulation error"; }
 }
 #endif

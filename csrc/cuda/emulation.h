@@ -15,12 +15,20 @@
 // launch's size, filled with 0xFF bytes (NaN floats) before every block, and fibers run in
 // ascending thread order in even-numbered launches and descending in odd ones, so a read that
 // depends on another thread's write without a barrier in between fails in one of the two.
+// Tensor-core instructions: mma.sync and ldmatrix are warp exchanges like the shuffles (every
+// lane writes its operands, then reads the lanes its fragment comes from); ldmatrix aborts on an
+// address outside the block's shared memory or not 16-byte aligned. cp.async copies land late, at
+// the issuing thread's cp.async.wait_group, in two launches of four, and at once in the other two:
+// a read of a buffer before its copy was waited for, or a copy into a buffer other threads still
+// read, gives wrong results in one of the two.
 // Launches are serialised by a mutex.
 #pragma once
 #ifndef ATTN_CUDA_EMULATION
 #error "emulation.h is only for ATTN_CUDA_EMULATION builds"
 #endif
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
@@ -31,6 +39,7 @@
 #include <ucontext.h>
 #include <unistd.h>
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -46,8 +55,17 @@ struct Barrier {
   uint64_t generation = 0;
 };
 
+// One cp.async: 16 bytes from src (or zeros) to dst, when the issuing thread waits for its group.
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  bool in_range;
+};
+
 struct Fiber {
   ucontext_t context;
+  std::vector<AsyncCopy> open_copies;                // issued, not yet committed
+  std::vector<std::vector<AsyncCopy>> copy_groups;  // committed, oldest first
   unsigned thread = 0, block = 0;
   Barrier* waiting_on = nullptr;
   uint64_t waiting_generation = 0;
@@ -61,6 +79,8 @@ struct LaunchState {
   Barrier sync_barrier, end_barrier;
   std::vector<Barrier> warp_barriers;
   std::vector<uint64_t> slots;  // one 8-byte value per thread for shuffles
+  std::vector<std::array<uint32_t, 8>> operands;  // per thread, for mma.sync / ldmatrix
+  bool copies_land_late = false;  // cp.async: at the wait (true) or at issue (false)
   std::vector<unsigned char> shared;  // dynamic shared memory, exactly the launch's size
   ucontext_t scheduler;
   Fiber* current = nullptr;
@@ -118,6 +138,9 @@ inline void fiber_main() {
     self.block = b;
     block_index = dim3(b, 1, 1);
     state->body();
+    // Copies never waited for land nowhere: the block's shared memory is gone.
+    self.open_copies.clear();
+    self.copy_groups.clear();
     wait_at(state->end_barrier);
   }
   self.done = true;
@@ -151,6 +174,7 @@ struct Launch {
     launch.warp_barriers.resize(threads / 32);
     for (Barrier& w : launch.warp_barriers) w.count = 32;
     launch.slots.resize(threads);
+    launch.operands.resize(threads);
     launch.shared.resize(smem);
     void (*entry)(Params...) = kernel;
     launch.body = [&] { entry(args...); };
@@ -169,7 +193,9 @@ struct Launch {
     fill_shared();
     block_dim = block;
     grid_dim = grid;
-    const bool descending = (launch_count++ & 1) != 0;
+    const bool descending = (launch_count & 1) != 0;
+    launch.copies_land_late = (launch_count & 2) != 0;
+    ++launch_count;
     // Round robin over the fibers that can run, until all are done.
     for (;;) {
       bool ran = false, all_done = true;
@@ -249,3 +275,125 @@ template <typename... Params>
 inline cudaError_t cudaFuncSetAttribute(void (*)(Params...), cudaFuncAttribute, int) {
   return cudaSuccess;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core instructions (warp_mma.cuh forwards here). Layouts as documented there.
+namespace attention_ext {
+namespace cuda_emulation {
+
+inline void check_shared_row(const void* p, const char* what) {
+  const unsigned char* b = static_cast<const unsigned char*>(p);
+  const unsigned char* lo = state->shared.data();
+  if (b < lo || b + 16 > lo + state->shared.size() || reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+    fprintf(stderr, "cuda emulation: %s address %p is not a 16-byte aligned row inside the block's %zu bytes of "
+            "shared memory\n", what, p, state->shared.size());
+    abort();
+  }
+}
+
+template <typename T>
+float bits_to_float(uint16_t bits);
+template <>
+inline float bits_to_float<__half>(uint16_t bits) {
+  __half_raw raw;
+  raw.x = bits;
+  return __half2float(__half(raw));
+}
+template <>
+inline float bits_to_float<__nv_bfloat16>(uint16_t bits) {
+  const uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float f;
+  memcpy(&f, &word, sizeof(f));
+  return f;
+}
+inline uint16_t half_of(uint32_t reg, unsigned which) { return static_cast<uint16_t>(which ? reg >> 16 : reg); }
+
+// D += A·B with products exact and the 16-term dot product summed in double, then rounded once.
+template <typename T>
+inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  const unsigned t = thread_index.x, lane = t & 31u, warp0 = t & ~31u;
+  std::array<uint32_t, 8>& mine = state->operands[t];
+  for (int r = 0; r < 4; ++r) mine[r] = a[r];
+  mine[4] = b0;
+  mine[5] = b1;
+  Barrier& warp = state->warp_barriers[t >> 5];
+  wait_at(warp);
+  // A(row, k) is in lane 4 (row % 8) + (k % 8) / 2, register row / 8 + 2 (k / 8), half k % 2.
+  // B(k, col) is in lane 4 col + (k % 8) / 2, register 4 + k / 8 (b0, b1), half k % 2.
+  const unsigned g = lane >> 2, tq = lane & 3u;
+  float out[4];
+  for (unsigned e = 0; e < 4; ++e) {
+    const unsigned row = g + 8 * (e >> 1), col = 2 * tq + (e & 1);
+    double sum = 0.0;
+    for (unsigned k = 0; k < 16; ++k) {
+      const uint32_t ra = state->operands[warp0 + 4 * (row % 8) + (k % 8) / 2][row / 8 + 2 * (k / 8)];
+      const uint32_t rb = state->operands[warp0 + 4 * col + (k % 8) / 2][4 + k / 8];
+      sum += static_cast<double>(bits_to_float<T>(half_of(ra, k & 1))) *
+             static_cast<double>(bits_to_float<T>(half_of(rb, k & 1)));
+    }
+    out[e] = static_cast<float>(static_cast<double>(d[e]) + sum);
+  }
+  wait_at(warp);
+  for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
+
+// Lane l names row l % 8 of matrix l / 8; register i gets matrix i's (row g, columns 2t, 2t+1),
+// or with trans its (rows 2t, 2t+1, column g).
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
+  const unsigned t = thread_index.x, lane = t & 31u, warp0 = t & ~31u;
+  check_shared_row(row, "ldmatrix");
+  memcpy(state->operands[t].data(), &row, sizeof(row));
+  Barrier& warp = state->warp_barriers[t >> 5];
+  wait_at(warp);
+  auto element = [&](unsigned matrix, unsigned mrow, unsigned mcol) -> uint32_t {
+    const unsigned char* base;
+    memcpy(&base, state->operands[warp0 + 8 * matrix + mrow].data(), sizeof(base));
+    uint16_t v;
+    memcpy(&v, base + 2 * mcol, sizeof(v));
+    return v;
+  };
+  const unsigned g = lane >> 2, tq = lane & 3u;
+  uint32_t out[4];
+  for (unsigned i = 0; i < 4; ++i)
+    out[i] = trans ? element(i, 2 * tq, g) | (element(i, 2 * tq + 1, g) << 16)
+                   : element(i, g, 2 * tq) | (element(i, g, 2 * tq + 1) << 16);
+  wait_at(warp);
+  for (int i = 0; i < 4; ++i) r[i] = out[i];
+}
+
+inline void land(const AsyncCopy& c) {
+  if (c.in_range)
+    memcpy(c.dst, c.src, 16);
+  else
+    memset(c.dst, 0, 16);
+}
+
+inline void cp_async_16(void* dst, const void* src, bool in_range) {
+  check_shared_row(dst, "cp.async destination");
+  if (reinterpret_cast<uintptr_t>(src) % 16 != 0) {
+    fprintf(stderr, "cuda emulation: cp.async source %p is not 16-byte aligned\n", src);
+    abort();
+  }
+  const AsyncCopy copy{dst, src, in_range};
+  if (state->copies_land_late)
+    state->current->open_copies.push_back(copy);
+  else
+    land(copy);
+}
+
+inline void cp_async_commit() {
+  Fiber& self = *state->current;
+  self.copy_groups.push_back(std::move(self.open_copies));
+  self.open_copies.clear();
+}
+
+inline void cp_async_wait(int open_groups_allowed) {
+  Fiber& self = *state->current;
+  while (self.copy_groups.size() > static_cast<size_t>(open_groups_allowed)) {
+    for (const AsyncCopy& c : self.copy_groups.front()) land(c);
+    self.copy_groups.erase(self.copy_groups.begin());
+  }
+}
+
+}  // namespace cuda_emulation
+}  // namespace attention_ext

@@ -18,6 +18,10 @@ struct BackwardPlan {
   bool mask = false;  // grad_mask (a floating mask that needs a gradient; zero-filled by caller)
 };
 
+// Split-KV plan of a forward call: sets p.kv_splits / p.split_keys (1 / 0 when the call is not
+// split). When kv_splits > 1 the caller provides p.split_out (batch_numel·kv_splits·n·dv floats)
+// and p.split_stats (batch_numel·kv_splits·n·2 floats) before attention_fwd_cuda.
+void plan_forward_cuda(AttentionParams& p);
 // Forward: writes p.out and p.lse.
 cudaError_t attention_fwd_cuda(const AttentionParams& p, cudaStream_t stream);
 // Attention probabilities from a saved p.lse: writes p.shift_hi / p.shift_lo (scratch), then p.probs.

@@ -756,47 +756,67 @@ __global__ void __launch_bounds__(kThreads) bwd_mask_kernel(const __grid_constan
   }
 }
 
+// The backward passes, in the order launch_backward runs them. Each returns the launch status.
+// The tensor-core backward (tc_backward.cuh) replaces the kv and q passes and keeps the others.
 template <typename T>
-cudaError_t launch_backward(const AttentionParams& p, const BackwardPlan& plan, cudaStream_t stream) {
+cudaError_t launch_backward_prologue(const AttentionParams& p, cudaStream_t stream) {  // shift, delta
+  const int64_t rows = p.batch_numel * p.n;
+  cudaError_t err = launch_row_shift<T>(p, stream);
+  if (err != cudaSuccess) return err;
+  ATTN_LAUNCH(delta_kernel<T>, grid_for(ceil_div(rows, kThreads)), kThreads, 0, stream)(p, rows);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_backward_kv(const AttentionParams& p, cudaStream_t stream) {
   using A = typename AccOf<T>::type;
   constexpr int OC = BwdCfg<A>::kOC;
-  cudaError_t err;
-  const int64_t rows = p.batch_numel * p.n;
-  if (rows <= 0) return cudaSuccess;
-  if ((err = launch_row_shift<T>(p, stream)) != cudaSuccess) return err;
-  ATTN_LAUNCH(delta_kernel<T>, grid_for(ceil_div(rows, kThreads)), kThreads, 0, stream)(p, rows);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  if (plan.kv) {
-    const int64_t total = owners_of(p, p.grad_k) * ceil_div(p.m, kBN) * imax(1, ceil_div(imax(p.dk, p.dv), OC));
-    if (total > 0) {
-      constexpr size_t smem = bwd_kv_smem<A>();
-      if ((err = prepare_smem(bwd_kv_kernel<T>, smem)) != cudaSuccess) return err;
-      ATTN_LAUNCH(bwd_kv_kernel<T>, grid_for(total), kThreads, smem, stream)(p, total);
-      if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    }
-  }
-  if (plan.q) {
-    const int64_t total = owners_of(p, p.grad_q) * ceil_div(p.n, kBM) * imax(1, ceil_div(p.dk, OC));
-    if (total > 0) {
-      constexpr size_t smem = bwd_q_smem<A>();
-      if ((err = prepare_smem(bwd_q_kernel<T>, smem)) != cudaSuccess) return err;
-      ATTN_LAUNCH(bwd_q_kernel<T>, grid_for(total), kThreads, smem, stream)(p, total);
-      if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    }
-  }
-  if (plan.mask && p.grad_mask.data != nullptr) {
-    const bool rows_bcast = p.n > 1 && p.grad_mask.row_stride == 0;
-    const bool cols_bcast = p.m > 1 && p.grad_mask.col_stride == 0;
-    const int64_t total = owners_of(p, p.grad_mask) * (rows_bcast ? 1 : ceil_div(p.n, kBM)) *
-                          (cols_bcast ? 1 : ceil_div(p.m, kBN));
-    if (total > 0) {
-      constexpr size_t smem = bwd_mask_smem<A>();
-      if ((err = prepare_smem(bwd_mask_kernel<T>, smem)) != cudaSuccess) return err;
-      ATTN_LAUNCH(bwd_mask_kernel<T>, grid_for(total), kThreads, smem, stream)(p, total);
-      if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    }
-  }
-  return cudaSuccess;
+  const int64_t total = owners_of(p, p.grad_k) * ceil_div(p.m, kBN) * imax(1, ceil_div(imax(p.dk, p.dv), OC));
+  if (total <= 0) return cudaSuccess;
+  constexpr size_t smem = bwd_kv_smem<A>();
+  cudaError_t err = prepare_smem(bwd_kv_kernel<T>, smem);
+  if (err != cudaSuccess) return err;
+  ATTN_LAUNCH(bwd_kv_kernel<T>, grid_for(total), kThreads, smem, stream)(p, total);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_backward_q(const AttentionParams& p, cudaStream_t stream) {
+  using A = typename AccOf<T>::type;
+  constexpr int OC = BwdCfg<A>::kOC;
+  const int64_t total = owners_of(p, p.grad_q) * ceil_div(p.n, kBM) * imax(1, ceil_div(p.dk, OC));
+  if (total <= 0) return cudaSuccess;
+  constexpr size_t smem = bwd_q_smem<A>();
+  cudaError_t err = prepare_smem(bwd_q_kernel<T>, smem);
+  if (err != cudaSuccess) return err;
+  ATTN_LAUNCH(bwd_q_kernel<T>, grid_for(total), kThreads, smem, stream)(p, total);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_backward_mask(const AttentionParams& p, cudaStream_t stream) {
+  using A = typename AccOf<T>::type;
+  if (p.grad_mask.data == nullptr) return cudaSuccess;
+  const bool rows_bcast = p.n > 1 && p.grad_mask.row_stride == 0;
+  const bool cols_bcast = p.m > 1 && p.grad_mask.col_stride == 0;
+  const int64_t total = owners_of(p, p.grad_mask) * (rows_bcast ? 1 : ceil_div(p.n, kBM)) *
+                        (cols_bcast ? 1 : ceil_div(p.m, kBN));
+  if (total <= 0) return cudaSuccess;
+  constexpr size_t smem = bwd_mask_smem<A>();
+  cudaError_t err = prepare_smem(bwd_mask_kernel<T>, smem);
+  if (err != cudaSuccess) return err;
+  ATTN_LAUNCH(bwd_mask_kernel<T>, grid_for(total), kThreads, smem, stream)(p, total);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_backward(const AttentionParams& p, const BackwardPlan& plan, cudaStream_t stream) {
+  if (p.batch_numel * p.n <= 0) return cudaSuccess;
+  cudaError_t err = launch_backward_prologue<T>(p, stream);
+  if (err == cudaSuccess && plan.kv) err = launch_backward_kv<T>(p, stream);
+  if (err == cudaSuccess && plan.q) err = launch_backward_q<T>(p, stream);
+  if (err == cudaSuccess && plan.mask) err = launch_backward_mask<T>(p, stream);
+  return err;
 }
 
 }  // namespace simt

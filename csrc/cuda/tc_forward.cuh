@@ -1,109 +1,51 @@
-// Tensor-core forward for float16 / bfloat16 with d_k == d_v == D in {64, 128} (FlashAttention-2
-// style warp split): mma.sync.m16n8k16 (fp32 accumulate), 4 warps per CTA, each owning 16 of the
-// CTA's 64 query rows, so the online-softmax row statistics never leave a warp (quad shuffles).
-// Keys in tiles of 64. Q is staged once and kept as A fragments in registers; K (row-major) and
-// V (transposed, so the P·V B fragments are contiguous pairs) are staged per key tile in padded
-// shared memory (row pitch D + 8 elements: the 8 rows a fragment load touches hit distinct banks).
-// The P tile is fed to the P·V MMA straight from the S accumulators (C layout == A layout), as
-// FlashAttention does: P is rounded to the storage type there (fp32 on the SIMT path).
-// Global loads go through TensorRef strides, so any layout works; masks, both causal kinds,
-// dropout (same Philox stream) and fully masked rows behave exactly as on the SIMT path.
-// Not implemented here (the SIMT path covers them): other head dims, d_k != d_v, backward,
-// cp.async double buffering and ldmatrix (plain 32-bit shared loads).
+// Tensor-core forward for float16 / bfloat16 with d_k == d_v == D in {64, 128}, FlashAttention-2
+// style: each CTA owns kBM = 64 query rows of one batch position, 4 warps of 16 rows each, so the
+// online-softmax row statistics never leave a warp (quad shuffles). Keys go by in tiles of kBN = 64.
+//
+// Per CTA: Q (kBM x D) is copied once to shared memory (cp.async) and kept as mma A fragments in
+// registers; K and V tiles (kBN x D, row-major) are double buffered: tile t + 1 is in flight
+// (cp.async) while tile t is computed. S = Q Kᵀ and O += P V run on mma.sync.m16n8k16 (fp32
+// accumulate), their B fragments read by ldmatrix (.trans for V, so V needs no transposed copy).
+// Shared tiles are swizzled (tc_common.cuh).
+// P never leaves registers: the S accumulators (C layout) are the A fragments of P·V, rounded to
+// the storage type there, as FlashAttention does (the SIMT path keeps P in fp32).
+// Memory traffic per CTA: Q once, K and V once per visible key tile, O and lse once; causal
+// calls stop at the last key tile a row of the CTA can see.
+// Masks, both causal kinds, dropout (the same Philox stream) and fully masked rows behave exactly
+// as on the SIMT path, through the same DevCtx::logit. Calls tc::eligible() refuses (other layouts,
+// head dims, d_k != d_v) take the SIMT path.
 #pragma once
-#include <cstdlib>
-
-#include "common.cuh"
+#include "tc_common.cuh"
 
 namespace attention_ext {
 namespace cuda {
 namespace tc {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kBM = 16 * kWarps;  // 64 query rows per CTA
-constexpr int kBN = 64;           // keys per tile
-
-template <typename T>
-struct Mma;
-template <>
-struct Mma<__half> {
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-    __trap();  // never launched there: eligible() checks the device's compute capability
-#else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-  }
-};
-template <>
-struct Mma<__nv_bfloat16> {
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-    __trap();  // never launched there: eligible() checks the device's compute capability
-#else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-  }
-};
-
-template <typename T>
-__device__ __forceinline__ uint32_t lds32(const T* p) {  // two consecutive elements, 4-byte aligned
-  return *reinterpret_cast<const uint32_t*>(p);
-}
+constexpr int kBM = kTile;  // query rows per CTA, 16 per warp
+constexpr int kBN = kTile;  // keys per tile
 
 template <int D>
 constexpr size_t forward_smem() {
-  return sizeof(uint16_t) * (kBM * (D + 8) + kBN * (D + 8) + D * (kBN + 8));
-}
-
-// Eligible calls: fp16/bf16, d_k == d_v == 64 or 128, a device of compute capability >= 8.0,
-// and ATTENTION_EXT_CUDA_SIMT not set to 1 (which forces the SIMT path, for testing).
-inline bool eligible(const AttentionParams& p) {
-  if (!((p.dtype == ScalarType::kFloat16 || p.dtype == ScalarType::kBFloat16) && p.dk == p.dv &&
-        (p.dk == 64 || p.dk == 128)))
-    return false;
-  const char* force_simt = std::getenv("ATTENTION_EXT_CUDA_SIMT");
-  if (force_simt != nullptr && force_simt[0] == '1') return false;
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
-    return false;
-  return major >= 8;
+  return sizeof(uint16_t) * (kBM * D + 4 * kBN * D);  // Q, K[2], V[2]
 }
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant__ AttentionParams p,
                                                            int64_t total) {
-  constexpr int LDQ = D + 8, LDV = kBN + 8;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  ATTN_DYNAMIC_SHARED(smem_raw);
   T* Qs = reinterpret_cast<T*>(smem_raw);
-  T* Ks = Qs + kBM * LDQ;
-  T* Vt = Ks + kBN * LDQ;
+  T* Ks = Qs + kBM * D;   // two buffers of kBN x D
+  T* Vs = Ks + 2 * kBN * D;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;  // mma groupID / thread-in-group
   const DevCtx<T> ctx(p);
   const int64_t n_qt = ceil_div(p.n, kBM);
   const float ninf = -INFINITY;
 
+  const int64_t n_splits = p.kv_splits;
+
   for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
-    const int64_t qt = item % n_qt, b = item / n_qt;
+    const int64_t split = item % n_splits, qt = (item / n_splits) % n_qt, b = item / (n_splits * n_qt);
     int64_t idx[kMaxBatchDims];
     unravel_batch(p, b, idx);
     const int64_t i0 = qt * kBM, rows = imin(kBM, p.n - i0);
@@ -114,52 +56,70 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
     // This thread's two query rows: warp*16 + g and + 8.
     const int rl0 = warp * 16 + g, rl1 = rl0 + 8;
     const int64_t ia = i0 + rl0, ib = i0 + rl1;
+    // Keys [k_begin, k_stop): all visible ones, or this item's range of them (split-KV).
+    const int64_t key_end = visible_key_end(p, i0, rows);
+    const int64_t k_begin = n_splits == 1 ? 0 : split * p.split_keys;
+    const int64_t k_stop = n_splits == 1 ? key_end : imin(key_end, k_begin + p.split_keys);
+    const int64_t n_tiles = k_stop > k_begin ? ceil_div(k_stop - k_begin, kBN) : 0;
 
-    __syncthreads();  // previous item's readers of Qs are done
-    for (int e = tid; e < kBM * D; e += kThreads) {
-      const int r = e / D, c = e % D;
-      Qs[r * LDQ + c] = r < rows ? q[r * p.q.row_stride + c * p.q.col_stride] : T(0.0f);
-    }
+    // The previous item's copies have landed and its readers of every buffer are done.
+    cp_async_wait<0>();
     __syncthreads();
-    uint32_t qf[D / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      qf[ks][0] = lds32(Qs + rl0 * LDQ + ks * 16 + 2 * t4);
-      qf[ks][1] = lds32(Qs + rl1 * LDQ + ks * 16 + 2 * t4);
-      qf[ks][2] = lds32(Qs + rl0 * LDQ + ks * 16 + 8 + 2 * t4);
-      qf[ks][3] = lds32(Qs + rl1 * LDQ + ks * 16 + 8 + 2 * t4);
+    load_tile_async<T, D>(Qs, q, p.q.row_stride, rows, tid);
+    if (n_tiles > 0) {
+      const int64_t cols = imin(kBN, p.m - k_begin);
+      load_tile_async<T, D>(Ks, k + k_begin * p.k.row_stride, p.k.row_stride, cols, tid);
+      load_tile_async<T, D>(Vs, v + k_begin * p.v.row_stride, p.v.row_stride, cols, tid);
     }
+    cp_async_commit();
 
+    uint32_t qf[D / 16][4];
     float o[D / 8][4];
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
     float m_run[2] = {ninf, ninf}, l_run[2] = {0.0f, 0.0f};
 
-    const int64_t key_end = visible_key_end(p, i0, rows);
-    for (int64_t j0 = 0; j0 < key_end; j0 += kBN) {
-      const int64_t cols = imin(kBN, p.m - j0);
-      __syncthreads();  // previous tile's readers of Ks / Vt are done
-      for (int e = tid; e < kBN * D; e += kThreads) {
-        const int r = e / D, c = e % D;
-        const bool ok = r < cols;
-        Ks[r * LDQ + c] = ok ? k[(j0 + r) * p.k.row_stride + c * p.k.col_stride] : T(0.0f);
-        Vt[c * LDV + r] = ok ? v[(j0 + r) * p.v.row_stride + c * p.v.col_stride] : T(0.0f);
-      }
+    for (int64_t t = 0; t < n_tiles; ++t) {
+      const int64_t j0 = k_begin + t * kBN, cols = imin(kBN, p.m - j0);
+      const T* Kb = Ks + (t & 1) * kBN * D;
+      const T* Vb = Vs + (t & 1) * kBN * D;
+      // Tile t has landed for every thread, and every thread is done with tile t - 1, whose
+      // buffers receive tile t + 1 below.
+      cp_async_wait<0>();
       __syncthreads();
+      if (t == 0) {
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+          load_a<D>(qf[ks], Qs, warp * 16, ks * 16, lane);
+      }
+      if (t + 1 < n_tiles) {
+        const int64_t j1 = j0 + kBN, cols1 = imin(kBN, p.m - j1);
+        T* Kn = Ks + ((t + 1) & 1) * kBN * D;
+        T* Vn = Vs + ((t + 1) & 1) * kBN * D;
+        load_tile_async<T, D>(Kn, k + j1 * p.k.row_stride, p.k.row_stride, cols1, tid);
+        load_tile_async<T, D>(Vn, v + j1 * p.v.row_stride, p.v.row_stride, cols1, tid);
+      }
+      cp_async_commit();
 
       // S = Q Kᵀ: 8 n-tiles of 8 keys; s[nt] = {(rl0, 2t), (rl0, 2t+1), (rl1, 2t), (rl1, 2t+1)}.
+      // One ldmatrix.x4 gives the B fragments (k-halves 0 and 1) of two n-tiles.
       float s[kBN / 8][4];
 #pragma unroll
-      for (int nt = 0; nt < kBN / 8; ++nt) {
-        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+      for (int nt = 0; nt < kBN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-          const T* kr = Ks + (nt * 8 + g) * LDQ + ks * 16 + 2 * t4;
-          Mma<T>::run(s[nt], qf[ks], lds32(kr), lds32(kr + 8));
+      for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+        for (int np = 0; np < kBN / 16; ++np) {
+          uint32_t kb[4];
+          load_b_nk<D>(kb, Kb, np * 16, ks * 16, lane);
+          mma_m16n8k16<T>(s[2 * np], qf[ks], kb[0], kb[1]);
+          mma_m16n8k16<T>(s[2 * np + 1], qf[ks], kb[2], kb[3]);
         }
-      }
 
-      // Logits (log2 units), row max over the quad.
+      // Logits (log2 units), row max over the quad. Interior tiles (every row and key in range,
+      // no mask, wholly on the visible side of the causal diagonal) need only the scaling.
+      const bool interior = p.mask_kind == MaskKind::kNone && cols == kBN && i0 + kBM <= p.n &&
+                            (p.causal == CausalKind::kNone || j0 + kBN - 1 <= i0 + ctx.shift);
       float mx[2] = {ninf, ninf};
 #pragma unroll
       for (int nt = 0; nt < kBN / 8; ++nt)
@@ -168,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
           const int c = nt * 8 + 2 * t4 + (e & 1);
           const int64_t i = e < 2 ? ia : ib;
           const bool valid = i < p.n && c < cols;
-          const float x = ctx.logit(p, s[nt][e], i, j0 + c, valid, mask_base);
+          const float x = interior ? s[nt][e] * ctx.scale_log2 : ctx.logit(p, s[nt][e], i, j0 + c, valid, mask_base);
           s[nt][e] = x;
           mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
@@ -224,19 +184,39 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
       }
 
       // O += P V: P's C fragments of key n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
+      // One ldmatrix.x4.trans gives the B fragments of two value-column n-tiles.
 #pragma unroll
       for (int kk = 0; kk < kBN / 16; ++kk) {
         uint32_t pa[4];
-        pa[0] = Mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-        pa[1] = Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-        pa[2] = Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pa[3] = Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        a_from_c<T>(pa, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt) {
-          const T* vr = Vt + (nt * 8 + g) * LDV + kk * 16 + 2 * t4;
-          Mma<T>::run(o[nt], pa, lds32(vr), lds32(vr + 8));
+        for (int dp = 0; dp < D / 16; ++dp) {
+          uint32_t vb[4];
+          load_b_kn<D>(vb, Vb, kk * 16, dp * 16, lane);
+          mma_m16n8k16<T>(o[2 * dp], pa, vb[0], vb[1]);
+          mma_m16n8k16<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
         }
       }
+    }
+
+    if (n_splits > 1) {  // unnormalised O, running max (log2 units) and sum, for combine_kernel
+      float* part_out = static_cast<float*>(p.split_out) + (b * n_splits + split) * p.n * D;
+      float* part_stats = static_cast<float*>(p.split_stats) + (b * n_splits + split) * p.n * 2;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t i = h == 0 ? ia : ib;
+        if (i >= p.n) continue;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+          part_out[i * D + nt * 8 + 2 * t4] = o[nt][2 * h];
+          part_out[i * D + nt * 8 + 2 * t4 + 1] = o[nt][2 * h + 1];
+        }
+        if (t4 == 0) {
+          part_stats[2 * i] = m_run[h];
+          part_stats[2 * i + 1] = l_run[h];
+        }
+      }
+      continue;
     }
 
     // Epilogue: O / l, lse = (m + log2 l) ln 2; l == 0: fully masked row (output 0, lse -inf);
@@ -260,17 +240,88 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
                                                     : (l_run[h] == 0.0f ? ninf : NAN);
     }
   }
+  cp_async_wait<0>();  // an item with no visible key tile leaves its Q copy open
+}
+
+// Split-KV merge: one thread per (row, output column) merges the row's key ranges in range order,
+//   M = max_s m_s,  l = Σ_s l_s·2^(m_s − M),  O = Σ_s O_s·2^(m_s − M) / l,  lse = (M + log2 l)·ln 2,
+// as the CPU's forward_combine. A range that saw no visible key (m_s = -inf) holds zeros, or NaN
+// from NaN scores, which must reach the row: it enters with weight 0 (1 when no range saw one).
+template <typename T>
+__global__ void __launch_bounds__(256) combine_kernel(const __grid_constant__ AttentionParams p, int64_t total) {
+  const int64_t S = p.kv_splits, n = p.n, dv = p.dv;
+  const float ninf = -INFINITY;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t c = t % dv, row = t / dv, i = row % n, b = row / n;
+    const float* stats = static_cast<const float*>(p.split_stats) + b * S * n * 2;
+    const float* parts = static_cast<const float*>(p.split_out) + b * S * n * dv;
+    float mx = ninf;
+    for (int64_t s = 0; s < S; ++s) mx = fmaxf(mx, stats[(s * n + i) * 2]);
+    float sum = 0.0f, acc = 0.0f;
+    for (int64_t s = 0; s < S; ++s) {
+      const float ms = stats[(s * n + i) * 2];
+      const float f = ms == ninf ? (mx == ninf ? 1.0f : 0.0f) : exp2f(ms - mx);
+      sum += stats[(s * n + i) * 2 + 1] * f;
+      acc += parts[(s * n + i) * dv + c] * f;
+    }
+    int64_t idx[kMaxBatchDims];
+    unravel_batch(p, b, idx);
+    const float inv = sum > 0.0f ? 1.0f / sum : (sum == 0.0f ? 0.0f : NAN);
+    T* out = static_cast<T*>(p.out.data) + batch_offset(p, p.out, idx) + i * p.out.row_stride;
+    store_acc(acc * inv, out + c * p.out.col_stride);
+    if (c == 0) {
+      float* lse = static_cast<float*>(p.lse.data) + batch_offset(p, p.lse, idx);
+      lse[i * p.lse.row_stride] = sum > 0.0f ? (mx + log2f(sum)) * static_cast<float>(kLn2) : (sum == 0.0f ? ninf : NAN);
+    }
+  }
 }
 
 template <typename T, int D>
 cudaError_t launch_forward_d(const AttentionParams& p, cudaStream_t stream) {
-  const int64_t total = p.batch_numel * ceil_div(p.n, kBM);
+  const int64_t total = p.batch_numel * ceil_div(p.n, kBM) * p.kv_splits;
   if (total <= 0) return cudaSuccess;
   constexpr size_t smem = forward_smem<D>();
   cudaError_t err = prepare_smem(forward_kernel<T, D>, smem);
   if (err != cudaSuccess) return err;
-  forward_kernel<T, D><<<grid_for(total), kThreads, smem, stream>>>(p, total);
+  auto* const kernel = forward_kernel<T, D>;
+  ATTN_LAUNCH(kernel, grid_for(total), kThreads, smem, stream)(p, total);
+  if ((err = cudaGetLastError()) != cudaSuccess || p.kv_splits == 1) return err;
+  const int64_t cells = p.batch_numel * p.n * p.dv;
+  constexpr int kCombineThreads = 256;
+  ATTN_LAUNCH(combine_kernel<T>, grid_for(imin(ceil_div(cells, kCombineThreads), 65536)), kCombineThreads, 0,
+              stream)(p, cells);
   return cudaGetLastError();
+}
+
+// Split-KV for calls that cannot fill the GPU (decode: few query tiles per batch position): the
+// keys are cut into ranges of split_keys (a multiple of kBN) when there are fewer CTAs than SMs,
+// aiming at two CTAs per SM, each range at least kMinSplitKeys keys. A function of the shape and
+// the device's SM count only, so results are reproducible on a given GPU model.
+// ATTENTION_EXT_CUDA_KV_SPLITS=N forces N ranges (1: none), for testing.
+constexpr int64_t kMinSplitKeys = 256;
+
+inline void plan_kv_splits(AttentionParams& p) {
+  p.kv_splits = 1;
+  p.split_keys = 0;
+  if (!eligible(p) || p.m <= 0) return;
+  int64_t splits = 1;
+  const char* forced = std::getenv("ATTENTION_EXT_CUDA_KV_SPLITS");
+  if (forced != nullptr && forced[0] != '\0') {
+    splits = imax(1, std::atoll(forced));
+  } else {
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+      return;
+    const int64_t ctas = p.batch_numel * ceil_div(p.n, kBM);
+    if (ctas >= sms) return;
+    splits = imin(ceil_div(2 * static_cast<int64_t>(sms), ctas), p.m / kMinSplitKeys);
+  }
+  if (splits <= 1) return;
+  p.split_keys = ceil_div(ceil_div(p.m, splits), kBN) * kBN;
+  p.kv_splits = ceil_div(p.m, p.split_keys);
+  if (p.kv_splits == 1) p.split_keys = 0;
 }
 
 template <typename T>
