@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one GPU check for a fresh CUDA machine with torch + nvcc: builds the extension with the CUDA
-# kernels, runs tests/test_cuda.py, compute-sanitizer (memcheck, racecheck, synccheck) on a small
-# snippet, benchmarks/bench_gpu.py if present, and the whole test suite. Every log goes to $OUT
+# kernels, runs tests/test_cuda.py and tests/test_tensor_core.py, benchmarks/bench_gpu.py, then
+# compute-sanitizer (memcheck, racecheck, synccheck) on a small snippet that reaches every kernel
+# (SIMT and tensor-core), and the whole test suite. Every log goes to $OUT
 # (or ./gpu_check_out); summary.txt has one line per step. Designed for < 9 minutes on an H200
 # with 16 cores: each step gets min(its cap, what is left of GPU_CHECK_BUDGET seconds).
 #
@@ -57,10 +58,13 @@ fi
 step build_info 30 python -c "import attention_ext, json; i = attention_ext.build_info(); print(json.dumps(i, indent=1)); assert str(i['cuda']) == '1', 'no CUDA kernels in this build'"
 
 # 2. The CUDA tests.
-step test_cuda 200 python -m pytest tests/test_cuda.py -q -rfEs -p no:cacheprovider --durations=10
+step test_cuda 200 python -m pytest tests/test_cuda.py tests/test_tensor_core.py -q -rfEs -p no:cacheprovider --durations=10
 
-# 3. compute-sanitizer on a small snippet touching every kernel (partial tiles, masks, dropout,
-#    GQA, mask gradient, dv chunks, all dtypes).
+# 3. The benchmark (results_gpu.{md,json} in $OUT); stops starting rows when its budget is spent.
+step bench_gpu 150 python benchmarks/bench_gpu.py --budget-s 120 --out "$OUT/results_gpu"
+
+# 4. compute-sanitizer on a small snippet touching every kernel (partial tiles, masks, dropout,
+#    GQA, mask gradient, dv chunks, all dtypes; the tensor-core forward and backward at d = 64, 128).
 SAN=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
 cat >"$OUT/sanitize_snippet.py" <<'PY'
 import sys
@@ -91,6 +95,17 @@ for dt in dtypes:
     o5 = attention_ext.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=colmask)
     o5.sum().backward()
     attention_ext.attention_weights(q, k.repeat_interleave(2, 1), causal="top_left")
+    if dt in (torch.float16, torch.bfloat16):  # the tensor-core kernels
+        for d in (64, 128):
+            qt = torch.randn(2, 4, 100, d, device=dev, dtype=dt, requires_grad=True)
+            kt = torch.randn(2, 2, 90, d, device=dev, dtype=dt, requires_grad=True)
+            vt = torch.randn(2, 2, 90, d, device=dev, dtype=dt, requires_grad=True)
+            ot = attention_ext.scaled_dot_product_attention(qt, kt, vt, dropout_p=0.1, enable_gqa=True)
+            ot.sum().backward()
+            mt = torch.randn(4, 100, 90, device=dev, dtype=dt, requires_grad=True)
+            ot = attention_ext.attention(qt, kt.repeat_interleave(2, 1), vt.repeat_interleave(2, 1),
+                                         attn_mask=mt, causal="bottom_right")
+            ot.sum().backward()
 torch.ops.attention_ext.dropout_keep_mask(torch.tensor([1, 2], device=dev), [3], 17, 33, 0.3)
 torch.cuda.synchronize()
 print("snippet ok")
@@ -103,15 +118,8 @@ else
   log "skip  compute-sanitizer (not found at $SAN)"
 fi
 
-# 4. Benchmark, if the project has one.
-if [ -f benchmarks/bench_gpu.py ]; then
-  step bench_gpu 90 python benchmarks/bench_gpu.py
-else
-  log "skip  benchmarks/bench_gpu.py (not present)"
-fi
-
 # 5. The whole suite (CPU tests included), with what time is left.
-step test_all 240 python -m pytest tests -q -x -rfEs -p no:cacheprovider --ignore=tests/test_cuda.py
+step test_all 240 python -m pytest tests -q -x -rfEs -p no:cacheprovider --ignore=tests/test_cuda.py --ignore=tests/test_tensor_core.py
 
 log "done: $FAILED step(s) failed, $(($(date +%s) - START))s total; logs in $OUT"
 [ "$FAILED" -eq 0 ]
