@@ -46,6 +46,25 @@ __device__ __forceinline__ void store_acc(float x, float* dst) { *dst = x; }
 __device__ __forceinline__ void store_acc(float x, __half* dst) { *dst = __float2half_rn(x); }
 __device__ __forceinline__ void store_acc(float x, __nv_bfloat16* dst) { *dst = __float2bfloat16_rn(x); }
 
+// Two consecutive outputs c, c + 1 of a row: one 32-bit store for fp16/bf16 when the columns are
+// contiguous and the pair is 4-byte aligned (the tensor-core epilogues' case), else two stores.
+__device__ __forceinline__ void store_acc2(float a, float b, __half* dst, int64_t col_stride) {
+  if (col_stride == 1 && (reinterpret_cast<uintptr_t>(dst) & 3) == 0) {
+    *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
+  } else {
+    store_acc(a, dst);
+    store_acc(b, dst + col_stride);
+  }
+}
+__device__ __forceinline__ void store_acc2(float a, float b, __nv_bfloat16* dst, int64_t col_stride) {
+  if (col_stride == 1 && (reinterpret_cast<uintptr_t>(dst) & 3) == 0) {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+  } else {
+    store_acc(a, dst);
+    store_acc(b, dst + col_stride);
+  }
+}
+
 // Lowest finite value of the storage type: an additive mask entry at or below it is "masked out".
 template <typename T>
 struct Lowest;
@@ -125,6 +144,12 @@ struct DevCtx {
                          static_cast<uint64_t>(j4));
   }
 };
+
+// Word i (0..3, known only at run time) of a Philox draw, by selects: indexing the array with a
+// run-time value would put it in local memory.
+__device__ __forceinline__ uint32_t philox_word(const PhiloxWords& w, int i) {
+  return (i & 2) ? ((i & 1) ? w.w[3] : w.w[2]) : ((i & 1) ? w.w[1] : w.w[0]);
+}
 
 // Dynamic shared memory above the default 48 KiB needs an opt-in per kernel.
 template <typename Kernel>

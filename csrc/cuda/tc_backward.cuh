@@ -30,7 +30,8 @@ namespace tc {
 
 // Queries (dK/dV) and keys (dQ) per register chunk: a chunk's score and dP accumulators live
 // beside the D-wide gradient accumulators (two of them in dK/dV), so larger D takes smaller
-// chunks; sized so that ptxas keeps everything in registers (no spills) for sm_80/sm_90.
+// chunks. ptxas (CUDA 13, sm_80 and sm_90) keeps dQ and the D = 64 dK/dV kernel spill-free; the
+// D = 128 dK/dV kernel (128 accumulator floats) spills about 80 bytes.
 template <int D>
 constexpr int kv_chunk() {
   return D == 64 ? 32 : 16;
@@ -188,24 +189,34 @@ __global__ void __launch_bounds__(kThreads) bwd_kv_kernel(const __grid_constant_
               const float hi = hib[ql];
               const float pw = (hi == ninf || !valid) ? 0.0f : exp2f((x - hi) - lob[ql]);
               bool keep = true;
-              if (ctx.dropout) keep = ctx.words(b, i, j & ~int64_t(3)).w[j & 3] >= p.dropout_threshold;
+              if (ctx.dropout)
+                keep = philox_word(ctx.words(b, i, j & ~int64_t(3)), static_cast<int>(j & 3)) >= p.dropout_threshold;
               const float dp = keep ? (ctx.dropout ? dpt[nt][e] * ctx.inv_keep : dpt[nt][e]) : 0.0f;
               dpt[nt][e] = valid ? pw * (dp - deltab[ql]) : 0.0f;
               st[nt][e] = keep ? (ctx.dropout ? pw * ctx.inv_keep : pw) : 0.0f;
             }
-          // dV += (P∘Z)ᵀ dO and dK += dSᵀ Q over the chunk's queries.
+          // dV += (P∘Z)ᵀ dO, then dK += dSᵀ Q, over the chunk's queries (two loops: fewer
+          // fragments in flight at once).
 #pragma unroll
           for (int kk = 0; kk < QC / 16; ++kk) {
-            uint32_t pa[4], da[4];
+            uint32_t pa[4];
             a_from_c<T>(pa, st[2 * kk], st[2 * kk + 1]);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+              uint32_t ob[4];
+              load_b_kn<D>(ob, dOb, qc + kk * 16, dp * 16, lane);
+              mma_m16n8k16<T>(dv[2 * dp], pa, ob[0], ob[1]);
+              mma_m16n8k16<T>(dv[2 * dp + 1], pa, ob[2], ob[3]);
+            }
+          }
+#pragma unroll
+          for (int kk = 0; kk < QC / 16; ++kk) {
+            uint32_t da[4];
             a_from_c<T>(da, dpt[2 * kk], dpt[2 * kk + 1]);
 #pragma unroll
             for (int dp = 0; dp < D / 16; ++dp) {
-              uint32_t ob[4], qb[4];
-              load_b_kn<D>(ob, dOb, qc + kk * 16, dp * 16, lane);
+              uint32_t qb[4];
               load_b_kn<D>(qb, Qb, qc + kk * 16, dp * 16, lane);
-              mma_m16n8k16<T>(dv[2 * dp], pa, ob[0], ob[1]);
-              mma_m16n8k16<T>(dv[2 * dp + 1], pa, ob[2], ob[3]);
               mma_m16n8k16<T>(dk[2 * dp], da, qb[0], qb[1]);
               mma_m16n8k16<T>(dk[2 * dp + 1], da, qb[2], qb[3]);
             }
@@ -225,10 +236,10 @@ __global__ void __launch_bounds__(kThreads) bwd_kv_kernel(const __grid_constant_
 #pragma unroll
       for (int nt = 0; nt < D / 8; ++nt) {
         const int c = nt * 8 + 2 * t4;
-        store_acc(dk[nt][2 * h] * scale, gk + kl * p.grad_k.row_stride + c * p.grad_k.col_stride);
-        store_acc(dk[nt][2 * h + 1] * scale, gk + kl * p.grad_k.row_stride + (c + 1) * p.grad_k.col_stride);
-        store_acc(dv[nt][2 * h], gv + kl * p.grad_v.row_stride + c * p.grad_v.col_stride);
-        store_acc(dv[nt][2 * h + 1], gv + kl * p.grad_v.row_stride + (c + 1) * p.grad_v.col_stride);
+        store_acc2(dk[nt][2 * h] * scale, dk[nt][2 * h + 1] * scale,
+                   gk + kl * p.grad_k.row_stride + c * p.grad_k.col_stride, p.grad_k.col_stride);
+        store_acc2(dv[nt][2 * h], dv[nt][2 * h + 1], gv + kl * p.grad_v.row_stride + c * p.grad_v.col_stride,
+                   p.grad_v.col_stride);
       }
     }
   }
@@ -358,7 +369,7 @@ __global__ void __launch_bounds__(kThreads) bwd_q_kernel(const __grid_constant__
                 const float x = interior ? s[nt][e] * ctx.scale_log2
                                          : ctx.logit(p, s[nt][e], i, j0 + kl, valid, mask_base);
                 const float pw = (hi[h] == ninf || !valid) ? 0.0f : exp2f((x - hi[h]) - lo[h]);
-                const bool keep = !ctx.dropout || w.w[(t4 & 1) * 2 + c] >= p.dropout_threshold;
+                const bool keep = !ctx.dropout || philox_word(w, (t4 & 1) * 2 + c) >= p.dropout_threshold;
                 const float dpz = keep ? (ctx.dropout ? dp[nt][e] * ctx.inv_keep : dp[nt][e]) : 0.0f;
                 dp[nt][e] = valid ? pw * (dpz - delta[h]) : 0.0f;
               }
@@ -390,8 +401,8 @@ __global__ void __launch_bounds__(kThreads) bwd_q_kernel(const __grid_constant__
 #pragma unroll
       for (int nt = 0; nt < D / 8; ++nt) {
         const int c = nt * 8 + 2 * t4;
-        store_acc(dq[nt][2 * h] * scale, gq + rl * p.grad_q.row_stride + c * p.grad_q.col_stride);
-        store_acc(dq[nt][2 * h + 1] * scale, gq + rl * p.grad_q.row_stride + (c + 1) * p.grad_q.col_stride);
+        store_acc2(dq[nt][2 * h] * scale, dq[nt][2 * h + 1] * scale,
+                   gq + rl * p.grad_q.row_stride + c * p.grad_q.col_stride, p.grad_q.col_stride);
       }
     }
   }

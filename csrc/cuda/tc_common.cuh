@@ -25,12 +25,12 @@ __device__ __forceinline__ int swizzled(int r, int c) {
   return r * D + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7);
 }
 
-// Copies rows [0, kTile) of a (rows, D) tile whose row r starts at g + r * row_stride into a
+// Copies rows [0, ROWS) of a (rows, D) tile whose row r starts at g + r * row_stride into a
 // swizzled shared tile; rows >= valid are zero-filled (so they contribute no NaN from stale data).
-template <typename T, int D>
+template <typename T, int D, int ROWS = kTile>
 __device__ __forceinline__ void load_tile_async(T* tile, const T* g, int64_t row_stride, int64_t valid, int tid) {
   constexpr int kChunks = D / 8;
-  for (int e = tid; e < kTile * kChunks; e += kThreads) {
+  for (int e = tid; e < ROWS * kChunks; e += kThreads) {
     const int r = e / kChunks, c = (e % kChunks) * 8;
     const bool in_range = r < valid;
     cp_async_16(tile + swizzled<D>(r, c), in_range ? g + r * row_stride + c : g, in_range);

@@ -1,19 +1,22 @@
 // Tensor-core forward for float16 / bfloat16 with d_k == d_v == D in {64, 128}, FlashAttention-2
-// style: each CTA owns kBM = 64 query rows of one batch position, 4 warps of 16 rows each, so the
-// online-softmax row statistics never leave a warp (quad shuffles). Keys go by in tiles of kBN = 64.
+// style: each CTA owns BM = 128 query rows of one batch position, 4 warps of 32 rows (two 16-row
+// m-tiles) each, so the online-softmax row statistics never leave a warp (quad shuffles). Keys go
+// by in tiles of BN = 64 (D = 64) or 32 (D = 128).
 //
-// Per CTA: Q (kBM x D) is copied once to shared memory (cp.async) and kept as mma A fragments in
-// registers; K and V tiles (kBN x D, row-major) are double buffered: tile t + 1 is in flight
-// (cp.async) while tile t is computed. S = Q Kᵀ and O += P V run on mma.sync.m16n8k16 (fp32
-// accumulate), their B fragments read by ldmatrix (.trans for V, so V needs no transposed copy).
-// Shared tiles are swizzled (tc_common.cuh).
+// Per CTA: Q (BM x D) is copied once to shared memory (cp.async); K and V tiles (BN x D,
+// row-major) are double buffered: tile t + 1 is in flight (cp.async) while tile t is computed.
+// S = Q Kᵀ and O += P V run on mma.sync.m16n8k16 (fp32 accumulate), A fragments of Q and the B
+// fragments read by ldmatrix (.trans for V, so V needs no transposed copy); each B fragment
+// feeds both m-tiles of its warp. Shared tiles are swizzled (tc_common.cuh).
 // P never leaves registers: the S accumulators (C layout) are the A fragments of P·V, rounded to
 // the storage type there, as FlashAttention does (the SIMT path keeps P in fp32).
 // Memory traffic per CTA: Q once, K and V once per visible key tile, O and lse once; causal
-// calls stop at the last key tile a row of the CTA can see.
+// calls stop at the last key tile a row of the CTA can see. Shared-memory reads per key tile and
+// warp: (2 Q + BN/16 K + BN/16 V) x4 ldmatrix per 16 columns of D, for 2·BN/4 mma's each.
 // Masks, both causal kinds, dropout (the same Philox stream) and fully masked rows behave exactly
 // as on the SIMT path, through the same DevCtx::logit. Calls tc::eligible() refuses (other layouts,
-// head dims, d_k != d_v) take the SIMT path.
+// head dims, d_k != d_v) take the SIMT path. Split-KV (plan_kv_splits) for calls with fewer CTAs
+// than SMs: each CTA takes one range of keys, combine_kernel merges the ranges.
 #pragma once
 #include "tc_common.cuh"
 
@@ -21,224 +24,263 @@ namespace attention_ext {
 namespace cuda {
 namespace tc {
 
-constexpr int kBM = kTile;  // query rows per CTA, 16 per warp
-constexpr int kBN = kTile;  // keys per tile
+// Query rows per warp = 16·MT: a K or V fragment read by ldmatrix feeds MT mma's, which is what
+// sets the shared-memory traffic per flop (FlashAttention-2 gives each warp 32 rows, MT = 2).
+// Registers hold O (MT·D/2 floats per thread) and S (MT·BN/2); Q is re-read from shared memory
+// per key tile. At D = 128 the key tile is 32 keys (as FlashAttention-2's) so that both fit in
+// registers without spilling.
+template <int D>
+constexpr int m_tiles() {
+  return 2;
+}
+template <int D>
+constexpr int block_rows() {  // query rows per CTA
+  return 16 * kWarps * m_tiles<D>();
+}
+template <int D>
+constexpr int block_keys() {  // keys per tile; split-KV ranges are multiples of 64
+  return D == 64 ? 64 : 32;
+}
 
 template <int D>
 constexpr size_t forward_smem() {
-  return sizeof(uint16_t) * (kBM * D + 4 * kBN * D);  // Q, K[2], V[2]
+  return sizeof(uint16_t) * (block_rows<D>() * D + 4 * block_keys<D>() * D);  // Q, K[2], V[2]
+}
+
+// One 16-row m-tile's online-softmax step on the S tile s (C layout: rows ia, ib of this thread,
+// keys j0 + 8 nt + 2 t4 + {0, 1}): logits, running max / sum, O rescaled, s becomes P (dropped
+// out and scaled when dropout is on), ready to be the A operand of P V.
+template <typename T, int D, int BN>
+__device__ __forceinline__ void softmax_step(const AttentionParams& p, const DevCtx<T>& ctx, bool interior,
+                                             int64_t b, int64_t ia, int64_t ib, int64_t j0, int64_t cols,
+                                             int64_t mask_base, int t4, float (&s)[BN / 8][4],
+                                             float (&m_run)[2], float (&l_run)[2], float (&o)[D / 8][4]) {
+  const float ninf = -INFINITY;
+  float mx[2] = {ninf, ninf};
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = nt * 8 + 2 * t4 + (e & 1);
+      const int64_t i = e < 2 ? ia : ib;
+      const bool valid = i < p.n && c < cols;
+      const float x = interior ? s[nt][e] * ctx.scale_log2 : ctx.logit(p, s[nt][e], i, j0 + c, valid, mask_base);
+      s[nt][e] = x;
+      mx[e >> 1] = fmaxf(mx[e >> 1], x);
+    }
+  float alpha[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
+    const float m_new = fmaxf(m_run[h], mx[h]);
+    alpha[h] = (m_new == ninf || m_run[h] == ninf) ? (m_new == ninf ? 1.0f : 0.0f) : exp2f(m_run[h] - m_new);
+    mx[h] = m_new;  // now the max used for P
+  }
+  float psum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int h = e >> 1;
+      // No visible key yet (max -inf): shift 0, so masked keys give 0 and NaN scores (which
+      // fmaxf skips) give NaN, which reaches the row's sum and output, as on the CPU.
+      const float pv = exp2f(s[nt][e] - (mx[h] == ninf ? 0.0f : mx[h]));
+      s[nt][e] = pv;
+      psum[h] += pv;
+    }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    psum[h] += __shfl_xor_sync(0xFFFFFFFFu, psum[h], 1);
+    psum[h] += __shfl_xor_sync(0xFFFFFFFFu, psum[h], 2);
+    l_run[h] = l_run[h] * alpha[h] + psum[h];
+    m_run[h] = mx[h];
+  }
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    o[nt][0] *= alpha[0];
+    o[nt][1] *= alpha[0];
+    o[nt][2] *= alpha[1];
+    o[nt][3] *= alpha[1];
+  }
+  if (ctx.dropout) {
+    // Keys nt*8 + 2t, +1 lie in the Philox group of 4 starting at nt*8 + (t / 2) * 4, at word
+    // offset (t % 2) * 2.
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      const int64_t j4 = j0 + nt * 8 + (t4 >> 1) * 4;
+      const int w0 = (t4 & 1) * 2;
+      const PhiloxWords wa = ctx.words(b, ia, j4);
+      const PhiloxWords wb = ctx.words(b, ib, j4);
+      // (Indexed by the run-time w0, the draws live in local memory: only when dropout is on,
+      // and it keeps this kernel's registers free of spills.)
+      s[nt][0] = wa.w[w0] >= p.dropout_threshold ? s[nt][0] * ctx.inv_keep : 0.0f;
+      s[nt][1] = wa.w[w0 + 1] >= p.dropout_threshold ? s[nt][1] * ctx.inv_keep : 0.0f;
+      s[nt][2] = wb.w[w0] >= p.dropout_threshold ? s[nt][2] * ctx.inv_keep : 0.0f;
+      s[nt][3] = wb.w[w0 + 1] >= p.dropout_threshold ? s[nt][3] * ctx.inv_keep : 0.0f;
+    }
+  }
 }
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant__ AttentionParams p,
                                                            int64_t total) {
+  constexpr int MT = m_tiles<D>(), BM = block_rows<D>(), BN = block_keys<D>();
   ATTN_DYNAMIC_SHARED(smem_raw);
   T* Qs = reinterpret_cast<T*>(smem_raw);
-  T* Ks = Qs + kBM * D;   // two buffers of kBN x D
-  T* Vs = Ks + 2 * kBN * D;
+  T* Ks = Qs + BM * D;  // two buffers of BN x D
+  T* Vs = Ks + 2 * BN * D;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;  // mma groupID / thread-in-group
+  const int wr0 = warp * 16 * MT;          // the warp's first row in the tile
   const DevCtx<T> ctx(p);
-  const int64_t n_qt = ceil_div(p.n, kBM);
-  const float ninf = -INFINITY;
-
+  const int64_t n_qt = ceil_div(p.n, BM);
   const int64_t n_splits = p.kv_splits;
+  const float ninf = -INFINITY;
 
   for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
     const int64_t split = item % n_splits, qt = (item / n_splits) % n_qt, b = item / (n_splits * n_qt);
     int64_t idx[kMaxBatchDims];
     unravel_batch(p, b, idx);
-    const int64_t i0 = qt * kBM, rows = imin(kBM, p.n - i0);
+    const int64_t i0 = qt * BM, rows = imin(BM, p.n - i0);
     const T* q = static_cast<const T*>(p.q.data) + batch_offset(p, p.q, idx) + i0 * p.q.row_stride;
     const T* k = static_cast<const T*>(p.k.data) + batch_offset(p, p.k, idx);
     const T* v = static_cast<const T*>(p.v.data) + batch_offset(p, p.v, idx);
     const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);
-    // This thread's two query rows: warp*16 + g and + 8.
-    const int rl0 = warp * 16 + g, rl1 = rl0 + 8;
-    const int64_t ia = i0 + rl0, ib = i0 + rl1;
     // Keys [k_begin, k_stop): all visible ones, or this item's range of them (split-KV).
     const int64_t key_end = visible_key_end(p, i0, rows);
     const int64_t k_begin = n_splits == 1 ? 0 : split * p.split_keys;
     const int64_t k_stop = n_splits == 1 ? key_end : imin(key_end, k_begin + p.split_keys);
-    const int64_t n_tiles = k_stop > k_begin ? ceil_div(k_stop - k_begin, kBN) : 0;
+    const int64_t n_tiles = k_stop > k_begin ? ceil_div(k_stop - k_begin, BN) : 0;
 
     // The previous item's copies have landed and its readers of every buffer are done.
     cp_async_wait<0>();
     __syncthreads();
-    load_tile_async<T, D>(Qs, q, p.q.row_stride, rows, tid);
+    load_tile_async<T, D, BM>(Qs, q, p.q.row_stride, rows, tid);
     if (n_tiles > 0) {
-      const int64_t cols = imin(kBN, p.m - k_begin);
-      load_tile_async<T, D>(Ks, k + k_begin * p.k.row_stride, p.k.row_stride, cols, tid);
-      load_tile_async<T, D>(Vs, v + k_begin * p.v.row_stride, p.v.row_stride, cols, tid);
+      const int64_t cols = imin(BN, p.m - k_begin);
+      load_tile_async<T, D, BN>(Ks, k + k_begin * p.k.row_stride, p.k.row_stride, cols, tid);
+      load_tile_async<T, D, BN>(Vs, v + k_begin * p.v.row_stride, p.v.row_stride, cols, tid);
     }
     cp_async_commit();
 
-    uint32_t qf[D / 16][4];
-    float o[D / 8][4];
+    // Per m-tile mt: this thread's rows wr0 + 16 mt + g and + 8; O, running max and sum.
+    float o[MT][D / 8][4], m_run[MT][2], l_run[MT][2];
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
-    float m_run[2] = {ninf, ninf}, l_run[2] = {0.0f, 0.0f};
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.0f;
+      m_run[mt][0] = m_run[mt][1] = ninf;
+      l_run[mt][0] = l_run[mt][1] = 0.0f;
+    }
 
     for (int64_t t = 0; t < n_tiles; ++t) {
-      const int64_t j0 = k_begin + t * kBN, cols = imin(kBN, p.m - j0);
-      const T* Kb = Ks + (t & 1) * kBN * D;
-      const T* Vb = Vs + (t & 1) * kBN * D;
+      const int64_t j0 = k_begin + t * BN, cols = imin(BN, p.m - j0);
+      const T* Kb = Ks + (t & 1) * BN * D;
+      const T* Vb = Vs + (t & 1) * BN * D;
       // Tile t has landed for every thread, and every thread is done with tile t - 1, whose
       // buffers receive tile t + 1 below.
       cp_async_wait<0>();
       __syncthreads();
-      if (t == 0) {
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks)
-          load_a<D>(qf[ks], Qs, warp * 16, ks * 16, lane);
-      }
       if (t + 1 < n_tiles) {
-        const int64_t j1 = j0 + kBN, cols1 = imin(kBN, p.m - j1);
-        T* Kn = Ks + ((t + 1) & 1) * kBN * D;
-        T* Vn = Vs + ((t + 1) & 1) * kBN * D;
-        load_tile_async<T, D>(Kn, k + j1 * p.k.row_stride, p.k.row_stride, cols1, tid);
-        load_tile_async<T, D>(Vn, v + j1 * p.v.row_stride, p.v.row_stride, cols1, tid);
+        const int64_t j1 = j0 + BN, cols1 = imin(BN, p.m - j1);
+        T* Kn = Ks + ((t + 1) & 1) * BN * D;
+        T* Vn = Vs + ((t + 1) & 1) * BN * D;
+        load_tile_async<T, D, BN>(Kn, k + j1 * p.k.row_stride, p.k.row_stride, cols1, tid);
+        load_tile_async<T, D, BN>(Vn, v + j1 * p.v.row_stride, p.v.row_stride, cols1, tid);
       }
       cp_async_commit();
 
-      // S = Q Kᵀ: 8 n-tiles of 8 keys; s[nt] = {(rl0, 2t), (rl0, 2t+1), (rl1, 2t), (rl1, 2t+1)}.
-      // One ldmatrix.x4 gives the B fragments (k-halves 0 and 1) of two n-tiles.
-      float s[kBN / 8][4];
+      // S = Q Kᵀ: per m-tile 8 n-tiles of 8 keys. One ldmatrix.x4 gives the B fragments
+      // (k-halves 0 and 1) of two n-tiles, used by every m-tile.
+      float s[MT][BN / 8][4];
 #pragma unroll
-      for (int nt = 0; nt < kBN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks)
+        for (int nt = 0; nt < BN / 8; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
 #pragma unroll
-        for (int np = 0; np < kBN / 16; ++np) {
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t qa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) load_a<D>(qa[mt], Qs, wr0 + 16 * mt, ks * 16, lane);
+#pragma unroll
+        for (int np = 0; np < BN / 16; ++np) {
           uint32_t kb[4];
           load_b_nk<D>(kb, Kb, np * 16, ks * 16, lane);
-          mma_m16n8k16<T>(s[2 * np], qf[ks], kb[0], kb[1]);
-          mma_m16n8k16<T>(s[2 * np + 1], qf[ks], kb[2], kb[3]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_m16n8k16<T>(s[mt][2 * np], qa[mt], kb[0], kb[1]);
+            mma_m16n8k16<T>(s[mt][2 * np + 1], qa[mt], kb[2], kb[3]);
+          }
         }
+      }
 
-      // Logits (log2 units), row max over the quad. Interior tiles (every row and key in range,
-      // no mask, wholly on the visible side of the causal diagonal) need only the scaling.
-      const bool interior = p.mask_kind == MaskKind::kNone && cols == kBN && i0 + kBM <= p.n &&
-                            (p.causal == CausalKind::kNone || j0 + kBN - 1 <= i0 + ctx.shift);
-      float mx[2] = {ninf, ninf};
+      // Interior tiles (every row and key in range, no mask, wholly on the visible side of the
+      // causal diagonal) need only the scaling.
+      const bool interior = p.mask_kind == MaskKind::kNone && cols == BN && i0 + BM <= p.n &&
+                            (p.causal == CausalKind::kNone || j0 + BN - 1 <= i0 + ctx.shift);
 #pragma unroll
-      for (int nt = 0; nt < kBN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = nt * 8 + 2 * t4 + (e & 1);
-          const int64_t i = e < 2 ? ia : ib;
-          const bool valid = i < p.n && c < cols;
-          const float x = interior ? s[nt][e] * ctx.scale_log2 : ctx.logit(p, s[nt][e], i, j0 + c, valid, mask_base);
-          s[nt][e] = x;
-          mx[e >> 1] = fmaxf(mx[e >> 1], x);
-        }
-      float alpha[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
-        const float m_new = fmaxf(m_run[h], mx[h]);
-        alpha[h] = (m_new == ninf || m_run[h] == ninf) ? (m_new == ninf ? 1.0f : 0.0f) : exp2f(m_run[h] - m_new);
-        mx[h] = m_new;  // now the max used for P
-      }
-      float psum[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int nt = 0; nt < kBN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int h = e >> 1;
-          // No visible key yet (max -inf): shift 0, so masked keys give 0 and NaN scores (which
-          // fmaxf skips) give NaN, which reaches the row's sum and output, as on the CPU.
-          const float pv = exp2f(s[nt][e] - (mx[h] == ninf ? 0.0f : mx[h]));
-          s[nt][e] = pv;
-          psum[h] += pv;
-        }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        psum[h] += __shfl_xor_sync(0xFFFFFFFFu, psum[h], 1);
-        psum[h] += __shfl_xor_sync(0xFFFFFFFFu, psum[h], 2);
-        l_run[h] = l_run[h] * alpha[h] + psum[h];
-        m_run[h] = mx[h];
-      }
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-        o[nt][0] *= alpha[0];
-        o[nt][1] *= alpha[0];
-        o[nt][2] *= alpha[1];
-        o[nt][3] *= alpha[1];
-      }
-      if (ctx.dropout) {
-        // Columns nt*8 + 2t, +1 lie in the Philox group of 4 starting at nt*8 + (t / 2) * 4,
-        // at word offset (t % 2) * 2.
-#pragma unroll
-        for (int nt = 0; nt < kBN / 8; ++nt) {
-          const int64_t j4 = j0 + nt * 8 + (t4 >> 1) * 4;
-          const int w0 = (t4 & 1) * 2;
-          const PhiloxWords wa = ctx.words(b, ia, j4);
-          const PhiloxWords wb = ctx.words(b, ib, j4);
-          s[nt][0] = wa.w[w0] >= p.dropout_threshold ? s[nt][0] * ctx.inv_keep : 0.0f;
-          s[nt][1] = wa.w[w0 + 1] >= p.dropout_threshold ? s[nt][1] * ctx.inv_keep : 0.0f;
-          s[nt][2] = wb.w[w0] >= p.dropout_threshold ? s[nt][2] * ctx.inv_keep : 0.0f;
-          s[nt][3] = wb.w[w0 + 1] >= p.dropout_threshold ? s[nt][3] * ctx.inv_keep : 0.0f;
-        }
+      for (int mt = 0; mt < MT; ++mt) {
+        const int64_t ia = i0 + wr0 + 16 * mt + g;
+        softmax_step<T, D, BN>(p, ctx, interior, b, ia, ia + 8, j0, cols, mask_base, t4, s[mt], m_run[mt], l_run[mt],
+                           o[mt]);
       }
 
       // O += P V: P's C fragments of key n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
       // One ldmatrix.x4.trans gives the B fragments of two value-column n-tiles.
 #pragma unroll
-      for (int kk = 0; kk < kBN / 16; ++kk) {
-        uint32_t pa[4];
-        a_from_c<T>(pa, s[2 * kk], s[2 * kk + 1]);
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) a_from_c<T>(pa[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           uint32_t vb[4];
           load_b_kn<D>(vb, Vb, kk * 16, dp * 16, lane);
-          mma_m16n8k16<T>(o[2 * dp], pa, vb[0], vb[1]);
-          mma_m16n8k16<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_m16n8k16<T>(o[mt][2 * dp], pa[mt], vb[0], vb[1]);
+            mma_m16n8k16<T>(o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+          }
         }
       }
     }
 
-    if (n_splits > 1) {  // unnormalised O, running max (log2 units) and sum, for combine_kernel
-      float* part_out = static_cast<float*>(p.split_out) + (b * n_splits + split) * p.n * D;
-      float* part_stats = static_cast<float*>(p.split_stats) + (b * n_splits + split) * p.n * 2;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int64_t i = h == 0 ? ia : ib;
+        const int64_t i = i0 + wr0 + 16 * mt + g + 8 * h;
         if (i >= p.n) continue;
+        if (n_splits > 1) {  // unnormalised O, running max (log2 units) and sum, for combine_kernel
+          float* part_out = static_cast<float*>(p.split_out) + ((b * n_splits + split) * p.n + i) * D;
+          float* part_stats = static_cast<float*>(p.split_stats) + ((b * n_splits + split) * p.n + i) * 2;
+#pragma unroll
+          for (int nt = 0; nt < D / 8; ++nt) {
+            *reinterpret_cast<float2*>(part_out + nt * 8 + 2 * t4) = make_float2(o[mt][nt][2 * h], o[mt][nt][2 * h + 1]);
+          }
+          if (t4 == 0) {
+            part_stats[0] = m_run[mt][h];
+            part_stats[1] = l_run[mt][h];
+          }
+          continue;
+        }
+        // O / l, lse = (m + log2 l) ln 2; l == 0: fully masked row (output 0, lse -inf);
+        // l NaN: NaN scores (output and lse NaN).
+        const float l = l_run[mt][h];
+        const float inv = l > 0.0f ? 1.0f / l : (l == 0.0f ? 0.0f : NAN);
+        T* out = static_cast<T*>(p.out.data) + batch_offset(p, p.out, idx) + i * p.out.row_stride;
 #pragma unroll
         for (int nt = 0; nt < D / 8; ++nt) {
-          part_out[i * D + nt * 8 + 2 * t4] = o[nt][2 * h];
-          part_out[i * D + nt * 8 + 2 * t4 + 1] = o[nt][2 * h + 1];
+          const int c = nt * 8 + 2 * t4;
+          store_acc2(o[mt][nt][2 * h] * inv, o[mt][nt][2 * h + 1] * inv, out + c * p.out.col_stride, p.out.col_stride);
         }
         if (t4 == 0) {
-          part_stats[2 * i] = m_run[h];
-          part_stats[2 * i + 1] = l_run[h];
+          float* lse = static_cast<float*>(p.lse.data) + batch_offset(p, p.lse, idx);
+          lse[i * p.lse.row_stride] =
+              l > 0.0f ? (m_run[mt][h] + log2f(l)) * static_cast<float>(kLn2) : (l == 0.0f ? ninf : NAN);
         }
       }
-      continue;
-    }
-
-    // Epilogue: O / l, lse = (m + log2 l) ln 2; l == 0: fully masked row (output 0, lse -inf);
-    // l NaN: NaN scores (output and lse NaN).
-    T* out = static_cast<T*>(p.out.data) + batch_offset(p, p.out, idx);
-    float* lse = static_cast<float*>(p.lse.data) + batch_offset(p, p.lse, idx);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t i = h == 0 ? ia : ib;
-      if (i >= p.n) continue;
-      const float inv = l_run[h] > 0.0f ? 1.0f / l_run[h] : (l_run[h] == 0.0f ? 0.0f : NAN);
-      T* orow = out + i * p.out.row_stride;
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-        const int c = nt * 8 + 2 * t4;
-        store_acc(o[nt][2 * h] * inv, orow + c * p.out.col_stride);
-        store_acc(o[nt][2 * h + 1] * inv, orow + (c + 1) * p.out.col_stride);
-      }
-      if (t4 == 0)
-        lse[i * p.lse.row_stride] = l_run[h] > 0.0f ? (m_run[h] + log2f(l_run[h])) * static_cast<float>(kLn2)
-                                                    : (l_run[h] == 0.0f ? ninf : NAN);
-    }
   }
   cp_async_wait<0>();  // an item with no visible key tile leaves its Q copy open
 }
@@ -279,7 +321,7 @@ __global__ void __launch_bounds__(256) combine_kernel(const __grid_constant__ At
 
 template <typename T, int D>
 cudaError_t launch_forward_d(const AttentionParams& p, cudaStream_t stream) {
-  const int64_t total = p.batch_numel * ceil_div(p.n, kBM) * p.kv_splits;
+  const int64_t total = p.batch_numel * ceil_div(p.n, block_rows<D>()) * p.kv_splits;
   if (total <= 0) return cudaSuccess;
   constexpr size_t smem = forward_smem<D>();
   cudaError_t err = prepare_smem(forward_kernel<T, D>, smem);
@@ -295,7 +337,7 @@ cudaError_t launch_forward_d(const AttentionParams& p, cudaStream_t stream) {
 }
 
 // Split-KV for calls that cannot fill the GPU (decode: few query tiles per batch position): the
-// keys are cut into ranges of split_keys (a multiple of kBN) when there are fewer CTAs than SMs,
+// keys are cut into ranges of split_keys (a multiple of 64, so of every key tile) when there are fewer CTAs than SMs,
 // aiming at two CTAs per SM, each range at least kMinSplitKeys keys. A function of the shape and
 // the device's SM count only, so results are reproducible on a given GPU model.
 // ATTENTION_EXT_CUDA_KV_SPLITS=N forces N ranges (1: none), for testing.
@@ -314,12 +356,12 @@ inline void plan_kv_splits(AttentionParams& p) {
     if (cudaGetDevice(&device) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
       return;
-    const int64_t ctas = p.batch_numel * ceil_div(p.n, kBM);
+    const int64_t ctas = p.batch_numel * ceil_div(p.n, p.dk == 64 ? block_rows<64>() : block_rows<128>());
     if (ctas >= sms) return;
     splits = imin(ceil_div(2 * static_cast<int64_t>(sms), ctas), p.m / kMinSplitKeys);
   }
   if (splits <= 1) return;
-  p.split_keys = ceil_div(ceil_div(p.m, splits), kBN) * kBN;
+  p.split_keys = ceil_div(ceil_div(p.m, splits), kTile) * kTile;
   p.kv_splits = ceil_div(p.m, p.split_keys);
   if (p.kv_splits == 1) p.split_keys = 0;
 }
