@@ -201,25 +201,13 @@ __global__ void __launch_bounds__(kThreads) bwd_kv_kernel(const __grid_constant_
           for (int kk = 0; kk < QC / 16; ++kk) {
             uint32_t pa[4];
             a_from_c<T>(pa, st[2 * kk], st[2 * kk + 1]);
-#pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-              uint32_t ob[4];
-              load_b_kn<D>(ob, dOb, qc + kk * 16, dp * 16, lane);
-              mma_m16n8k16<T>(dv[2 * dp], pa, ob[0], ob[1]);
-              mma_m16n8k16<T>(dv[2 * dp + 1], pa, ob[2], ob[3]);
-            }
+            mma_a_tile<T, D>(dv, pa, dOb, qc + kk * 16, lane);
           }
 #pragma unroll
           for (int kk = 0; kk < QC / 16; ++kk) {
             uint32_t da[4];
             a_from_c<T>(da, dpt[2 * kk], dpt[2 * kk + 1]);
-#pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-              uint32_t qb[4];
-              load_b_kn<D>(qb, Qb, qc + kk * 16, dp * 16, lane);
-              mma_m16n8k16<T>(dk[2 * dp], da, qb[0], qb[1]);
-              mma_m16n8k16<T>(dk[2 * dp + 1], da, qb[2], qb[3]);
-            }
+            mma_a_tile<T, D>(dk, da, Qb, qc + kk * 16, lane);
           }
         }
       }
@@ -233,14 +221,8 @@ __global__ void __launch_bounds__(kThreads) bwd_kv_kernel(const __grid_constant_
     for (int h = 0; h < 2; ++h) {
       const int kl = kl0 + 8 * h;
       if (kl >= cols) continue;
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-        const int c = nt * 8 + 2 * t4;
-        store_acc2(dk[nt][2 * h] * scale, dk[nt][2 * h + 1] * scale,
-                   gk + kl * p.grad_k.row_stride + c * p.grad_k.col_stride, p.grad_k.col_stride);
-        store_acc2(dv[nt][2 * h], dv[nt][2 * h + 1], gv + kl * p.grad_v.row_stride + c * p.grad_v.col_stride,
-                   p.grad_v.col_stride);
-      }
+      store_acc_row<D>(dk, h, t4, scale, gk + kl * p.grad_k.row_stride, p.grad_k.col_stride);
+      store_acc_row<D>(dv, h, t4, 1.0f, gv + kl * p.grad_v.row_stride, p.grad_v.col_stride);
     }
   }
   cp_async_wait<0>();
@@ -379,13 +361,7 @@ __global__ void __launch_bounds__(kThreads) bwd_q_kernel(const __grid_constant__
           for (int kk = 0; kk < KC / 16; ++kk) {
             uint32_t da[4];
             a_from_c<T>(da, dp[2 * kk], dp[2 * kk + 1]);
-#pragma unroll
-            for (int dn = 0; dn < D / 16; ++dn) {
-              uint32_t kb[4];
-              load_b_kn<D>(kb, Kb, kc + kk * 16, dn * 16, lane);
-              mma_m16n8k16<T>(dq[2 * dn], da, kb[0], kb[1]);
-              mma_m16n8k16<T>(dq[2 * dn + 1], da, kb[2], kb[3]);
-            }
+            mma_a_tile<T, D>(dq, da, Kb, kc + kk * 16, lane);
           }
         }
       }
@@ -398,12 +374,7 @@ __global__ void __launch_bounds__(kThreads) bwd_q_kernel(const __grid_constant__
     for (int h = 0; h < 2; ++h) {
       const int rl = rl0 + 8 * h;
       if (rl >= rows) continue;
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-        const int c = nt * 8 + 2 * t4;
-        store_acc2(dq[nt][2 * h] * scale, dq[nt][2 * h + 1] * scale,
-                   gq + rl * p.grad_q.row_stride + c * p.grad_q.col_stride, p.grad_q.col_stride);
-      }
+      store_acc_row<D>(dq, h, t4, scale, gq + rl * p.grad_q.row_stride, p.grad_q.col_stride);
     }
   }
   cp_async_wait<0>();

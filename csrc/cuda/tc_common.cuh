@@ -65,6 +65,32 @@ __device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&c0)[4],
   a[3] = MmaType<T>::pack(c1[2], c1[3]);
 }
 
+// acc (16 x D, C layout) += a (16 x 16) · rows k0..k0+15 of a tile whose rows are the k index and
+// whose D columns the n index (P·V, dSᵀ·Q, dS·K): D/16 ldmatrix.x4.trans, D/8 mma's.
+template <typename T, int D>
+__device__ __forceinline__ void mma_a_tile(float (&acc)[D / 8][4], const uint32_t (&a)[4], const T* tile, int k0,
+                                           int lane) {
+#pragma unroll
+  for (int dn = 0; dn < D / 16; ++dn) {
+    uint32_t b[4];
+    load_b_kn<D>(b, tile, k0, dn * 16, lane);
+    mma_m16n8k16<T>(acc[2 * dn], a, b[0], b[1]);
+    mma_m16n8k16<T>(acc[2 * dn + 1], a, b[2], b[3]);
+  }
+}
+
+// Writes this thread's part of row g + 8h of a 16 x D accumulator (C layout), times scale, to
+// the output row at dst: columns 2t, 2t + 1 of every 8.
+template <int D, typename T>
+__device__ __forceinline__ void store_acc_row(const float (&acc)[D / 8][4], int h, int t4, float scale, T* dst,
+                                              int64_t col_stride) {
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    const int c = nt * 8 + 2 * t4;
+    store_acc2(acc[nt][2 * h] * scale, acc[nt][2 * h + 1] * scale, dst + c * col_stride, col_stride);
+  }
+}
+
 // Rows of t are 16-byte aligned runs of contiguous elements (what cp.async copies).
 inline bool rows_are_aligned_chunks(const AttentionParams& p, const TensorRef& t) {
   if (t.col_stride != 1 || t.row_stride % 8 != 0 || reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return false;

@@ -270,11 +270,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
         const float l = l_run[mt][h];
         const float inv = l > 0.0f ? 1.0f / l : (l == 0.0f ? 0.0f : NAN);
         T* out = static_cast<T*>(p.out.data) + batch_offset(p, p.out, idx) + i * p.out.row_stride;
-#pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt) {
-          const int c = nt * 8 + 2 * t4;
-          store_acc2(o[mt][nt][2 * h] * inv, o[mt][nt][2 * h + 1] * inv, out + c * p.out.col_stride, p.out.col_stride);
-        }
+        store_acc_row<D>(o[mt], h, t4, inv, out, p.out.col_stride);
         if (t4 == 0) {
           float* lse = static_cast<float*>(p.lse.data) + batch_offset(p, p.lse, idx);
           lse[i * p.lse.row_stride] =
