@@ -55,6 +55,34 @@ inline bool backward_eligible(const AttentionParams& p) {
   return eligible(p) && rows_are_aligned_chunks(p, p.grad_out);
 }
 
+// The two products of a chunk, over the D columns: s = A1 B1ᵀ and dp = A2 B2ᵀ for rows r0..r0+15 of
+// A1 / A2 and rows n0..n0+N-1 of B1 / B2 (Sᵀ = K Qᵀ with dPᵀ = V dOᵀ, or S = Q Kᵀ with dP = dO Vᵀ).
+// UNROLL: how many of the D/16 steps the compiler unrolls.
+template <typename T, int D, int N, int UNROLL>
+__device__ __forceinline__ void scores_and_dp(float (&s)[N / 8][4], float (&dp)[N / 8][4], const T* A1,
+                                              const T* A2, int r0, const T* B1, const T* B2, int n0, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.0f;
+#pragma unroll(UNROLL)
+  for (int ks = 0; ks < D / 16; ++ks) {
+    uint32_t a1[4], a2[4];
+    load_a<D>(a1, A1, r0, ks * 16, lane);
+    load_a<D>(a2, A2, r0, ks * 16, lane);
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      uint32_t b1[4], b2[4];
+      load_b_nk<D>(b1, B1, n0 + np * 16, ks * 16, lane);
+      load_b_nk<D>(b2, B2, n0 + np * 16, ks * 16, lane);
+      mma_m16n8k16<T>(s[2 * np], a1, b1[0], b1[1]);
+      mma_m16n8k16<T>(s[2 * np + 1], a1, b1[2], b1[3]);
+      mma_m16n8k16<T>(dp[2 * np], a2, b2[0], b2[1]);
+      mma_m16n8k16<T>(dp[2 * np + 1], a2, b2[2], b2[3]);
+    }
+  }
+}
+
 // Whether every (row, key) of the query tile at i0 and key tile at j0 is in range, unmasked and
 // visible: then a logit is just the scaled score.
 __device__ __forceinline__ bool interior_tile(const AttentionParams& p, int64_t i0, int64_t rows, int64_t j0,
@@ -157,26 +185,8 @@ __global__ void __launch_bounds__(kThreads) bwd_kv_kernel(const __grid_constant_
         for (int qc = 0; qc < kTile; qc += QC) {
           // st[nt][e], dpt[nt][e]: key kl0 + 8 (e >> 1), query qc + 8 nt + 2 t4 + (e & 1).
           float st[QC / 8][4], dpt[QC / 8][4];
-#pragma unroll
-          for (int nt = 0; nt < QC / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.0f;
-#pragma unroll 2  // (full unrolling hoists every fragment load and spills at D = 128)
-          for (int ks = 0; ks < D / 16; ++ks) {
-            uint32_t ka[4], va[4];
-            load_a<D>(ka, Ks, warp * 16, ks * 16, lane);
-            load_a<D>(va, Vs, warp * 16, ks * 16, lane);
-#pragma unroll
-            for (int np = 0; np < QC / 16; ++np) {
-              uint32_t qb[4], ob[4];
-              load_b_nk<D>(qb, Qb, qc + np * 16, ks * 16, lane);
-              load_b_nk<D>(ob, dOb, qc + np * 16, ks * 16, lane);
-              mma_m16n8k16<T>(st[2 * np], ka, qb[0], qb[1]);
-              mma_m16n8k16<T>(st[2 * np + 1], ka, qb[2], qb[3]);
-              mma_m16n8k16<T>(dpt[2 * np], va, ob[0], ob[1]);
-              mma_m16n8k16<T>(dpt[2 * np + 1], va, ob[2], ob[3]);
-            }
-          }
+          // (Full unrolling of the D steps hoists every fragment load and spills at D = 128.)
+          scores_and_dp<T, D, QC, 2>(st, dpt, Ks, Vs, warp * 16, Qb, dOb, qc, lane);
           // (P∘Z)ᵀ into st, dSᵀ into dpt.
 #pragma unroll
           for (int nt = 0; nt < QC / 8; ++nt)
@@ -314,26 +324,7 @@ __global__ void __launch_bounds__(kThreads) bwd_q_kernel(const __grid_constant__
         for (int kc = 0; kc < kTile; kc += KC) {
           // s[nt][e], dp[nt][e]: row rl0 + 8 (e >> 1), key kc + 8 nt + 2 t4 + (e & 1).
           float s[KC / 8][4], dp[KC / 8][4];
-#pragma unroll
-          for (int nt = 0; nt < KC / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.0f;
-#pragma unroll
-          for (int ks = 0; ks < D / 16; ++ks) {
-            uint32_t qa[4], oa[4];
-            load_a<D>(qa, Qs, warp * 16, ks * 16, lane);
-            load_a<D>(oa, dOs, warp * 16, ks * 16, lane);
-#pragma unroll
-            for (int np = 0; np < KC / 16; ++np) {
-              uint32_t kb[4], vb[4];
-              load_b_nk<D>(kb, Kb, kc + np * 16, ks * 16, lane);
-              load_b_nk<D>(vb, Vb, kc + np * 16, ks * 16, lane);
-              mma_m16n8k16<T>(s[2 * np], qa, kb[0], kb[1]);
-              mma_m16n8k16<T>(s[2 * np + 1], qa, kb[2], kb[3]);
-              mma_m16n8k16<T>(dp[2 * np], oa, vb[0], vb[1]);
-              mma_m16n8k16<T>(dp[2 * np + 1], oa, vb[2], vb[3]);
-            }
-          }
+          scores_and_dp<T, D, KC, D / 16>(s, dp, Qs, dOs, warp * 16, Kb, Vb, kc, lane);
           // dS into dp. Keys kc + 8 nt + 2 t4, +1 lie in the Philox group of 4 starting at
           // kc + 8 nt + (t4 / 2) * 4, at word offset (t4 % 2) * 2.
 #pragma unroll
