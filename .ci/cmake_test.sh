@@ -53,7 +53,7 @@ if command -v ldd >/dev/null 2>&1; then
       echo "ERROR: more than one OpenMP runtime is loaded by $bin" >&2
       exit 1
     fi
-    if printf '%s\n' "$omp" | grep -q "not found"; then
+    if grep -q "not found" <<<"$omp"; then
       echo "ERROR: unresolved OpenMP runtime for $bin" >&2
       exit 1
     fi

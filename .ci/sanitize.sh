@@ -30,7 +30,10 @@ export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$work/sanitizer
 export ATTENTION_EXT_SANITIZED=1
 # Make sure the suite below really loads the instrumented build from this scratch tree.
 so=$(ls "$work"/attention_ext/_C*.so)
-ldd "$so" | grep -q libasan || { echo "$so is not linked against libasan"; exit 1; }
+# (ldd's output is captured first: with pipefail, grep -q quitting at the first match can kill
+# ldd with SIGPIPE and fail the pipeline although libasan is there.)
+deps=$(ldd "$so")
+grep -q libasan <<<"$deps" || { echo "$so is not linked against libasan"; exit 1; }
 LD_PRELOAD="$asan:$ubsan" python -c "import attention_ext, sys; f = attention_ext._build.load_extension(); \
   sys.exit(0 if attention_ext.__file__.startswith('$work') else 'loaded ' + attention_ext.__file__)"
 status=0
