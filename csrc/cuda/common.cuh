@@ -95,6 +95,19 @@ __device__ __forceinline__ A neg_inf() {
   return -static_cast<A>(INFINITY);
 }
 
+// The end of a row's online softmax from its running max m (log2 units) and sum l: the factor that
+// normalises O and the natural-log lse. l > 0: a row with visible keys; l == 0: fully masked
+// (output 0, lse -inf); l NaN: NaN scores (output and lse NaN).
+template <typename A>
+__device__ __forceinline__ A inverse_row_sum(A l) {
+  return l > A(0) ? A(1) / l : (l == A(0) ? A(0) : static_cast<A>(NAN));
+}
+template <typename A>
+__device__ __forceinline__ A row_lse(A m, A l) {
+  return l > A(0) ? static_cast<A>((m + log2_acc(l)) * static_cast<A>(kLn2))
+                  : (l == A(0) ? neg_inf<A>() : static_cast<A>(NAN));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Per-call constants every tile needs.
 

@@ -1,8 +1,8 @@
-// A host emulation of the part of CUDA the SIMT kernels (simt.cuh, dispatch.cu) use, so that their
-// logic — tiling, masks, causal bounds, online softmax, dropout streams, the deterministic
-// backward passes — runs and is tested on a machine without a GPU (ATTENTION_EXT_CUDA_EMULATION=1
-// builds, .ci/cuda_emulation.sh). It checks what the kernels compute, not how fast, and not the
-// tensor-core path (tc_forward.cuh: inline PTX), which has no host form.
+// A host emulation of the part of CUDA the kernels (simt.cuh, tc_*.cuh, dispatch.cu) use, so that
+// their logic — tiling, masks, causal bounds, online softmax, dropout streams, the deterministic
+// backward passes, the tensor-core fragment layouts — runs and is tested on a machine without a
+// GPU (ATTENTION_EXT_CUDA_EMULATION=1 builds, .ci/cuda_emulation.sh). It checks what the kernels
+// compute, not how fast.
 //
 // Model: a launch runs its blocks one after another on the calling thread. Every CUDA thread of
 // the block is a fiber (ucontext, own stack below a guard page, own threadIdx); fibers run until
@@ -78,8 +78,7 @@ struct LaunchState {
   std::vector<Fiber> fibers;
   Barrier sync_barrier, end_barrier;
   std::vector<Barrier> warp_barriers;
-  std::vector<uint64_t> slots;  // one 8-byte value per thread for shuffles
-  std::vector<std::array<uint32_t, 8>> operands;  // per thread, for mma.sync / ldmatrix
+  std::vector<std::array<uint32_t, 8>> operands;  // per thread, for warp_exchange
   bool copies_land_late = false;  // cp.async: at the wait (true) or at issue (false)
   std::vector<unsigned char> shared;  // dynamic shared memory, exactly the launch's size
   ucontext_t scheduler;
@@ -132,6 +131,20 @@ inline void wait_at(Barrier& barrier) {
   swapcontext(&self.context, &state->scheduler);
 }
 
+// One warp-collective step (shuffle, mma.sync, ldmatrix): this lane publishes `bytes` bytes (at
+// most 32) as its operands, the warp's 32 lanes meet, read(warp0, lane) computes this lane's
+// result from the published operands (lane l's at operands[warp0 + l]), and the lanes meet again,
+// so no operand is overwritten while another lane still reads it.
+template <typename Read>
+inline void warp_exchange(const void* mine, size_t bytes, Read&& read) {
+  const unsigned t = thread_index.x;
+  memcpy(state->operands[t].data(), mine, bytes);
+  Barrier& warp = state->warp_barriers[t >> 5];
+  wait_at(warp);
+  read(t & ~31u, t & 31u);
+  wait_at(warp);
+}
+
 inline void fiber_main() {
   Fiber& self = *state->current;
   for (unsigned b = 0; b < state->grid; ++b) {
@@ -173,7 +186,6 @@ struct Launch {
     launch.end_barrier.count = threads;
     launch.warp_barriers.resize(threads / 32);
     for (Barrier& w : launch.warp_barriers) w.count = 32;
-    launch.slots.resize(threads);
     launch.operands.resize(threads);
     launch.shared.resize(smem);
     void (*entry)(Params...) = kernel;
@@ -254,13 +266,10 @@ inline V __shfl_xor_sync(unsigned mask, V value, int lane_mask) {
     fprintf(stderr, "cuda emulation: only full-warp shuffles are emulated\n");
     abort();
   }
-  const unsigned t = thread_index.x, lane = t & 31u;
-  Barrier& warp = state->warp_barriers[t >> 5];
-  memcpy(&state->slots[t], &value, sizeof(V));
-  wait_at(warp);
   V other;
-  memcpy(&other, &state->slots[(t & ~31u) | (lane ^ static_cast<unsigned>(lane_mask))], sizeof(V));
-  wait_at(warp);  // every lane has read before any slot is written again
+  warp_exchange(&value, sizeof(V), [&](unsigned warp0, unsigned lane) {
+    memcpy(&other, state->operands[warp0 + (lane ^ static_cast<unsigned>(lane_mask))].data(), sizeof(V));
+  });
   return other;
 }
 
@@ -313,53 +322,45 @@ inline uint16_t half_of(uint32_t reg, unsigned which) { return static_cast<uint1
 // not owed to extra precision.
 template <typename T>
 inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  const unsigned t = thread_index.x, lane = t & 31u, warp0 = t & ~31u;
-  std::array<uint32_t, 8>& mine = state->operands[t];
-  for (int r = 0; r < 4; ++r) mine[r] = a[r];
-  mine[4] = b0;
-  mine[5] = b1;
-  Barrier& warp = state->warp_barriers[t >> 5];
-  wait_at(warp);
-  // A(row, k) is in lane 4 (row % 8) + (k % 8) / 2, register row / 8 + 2 (k / 8), half k % 2.
-  // B(k, col) is in lane 4 col + (k % 8) / 2, register 4 + k / 8 (b0, b1), half k % 2.
-  const unsigned g = lane >> 2, tq = lane & 3u;
+  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
   float out[4];
-  for (unsigned e = 0; e < 4; ++e) {
-    const unsigned row = g + 8 * (e >> 1), col = 2 * tq + (e & 1);
-    float sum = d[e];
-    for (unsigned k = 0; k < 16; ++k) {
-      const uint32_t ra = state->operands[warp0 + 4 * (row % 8) + (k % 8) / 2][row / 8 + 2 * (k / 8)];
-      const uint32_t rb = state->operands[warp0 + 4 * col + (k % 8) / 2][4 + k / 8];
-      const float product = bits_to_float<T>(half_of(ra, k & 1)) * bits_to_float<T>(half_of(rb, k & 1));
-      sum += product;  // (exact product: an FMA here would round the same)
+  warp_exchange(mine, sizeof(mine), [&](unsigned warp0, unsigned lane) {
+    // A(row, k) is in lane 4 (row % 8) + (k % 8) / 2, register row / 8 + 2 (k / 8), half k % 2.
+    // B(k, col) is in lane 4 col + (k % 8) / 2, register 4 + k / 8 (b0, b1), half k % 2.
+    const unsigned g = lane >> 2, tq = lane & 3u;
+    for (unsigned e = 0; e < 4; ++e) {
+      const unsigned row = g + 8 * (e >> 1), col = 2 * tq + (e & 1);
+      float sum = d[e];
+      for (unsigned k = 0; k < 16; ++k) {
+        const uint32_t ra = state->operands[warp0 + 4 * (row % 8) + (k % 8) / 2][row / 8 + 2 * (k / 8)];
+        const uint32_t rb = state->operands[warp0 + 4 * col + (k % 8) / 2][4 + k / 8];
+        const float product = bits_to_float<T>(half_of(ra, k & 1)) * bits_to_float<T>(half_of(rb, k & 1));
+        sum += product;  // (exact product: an FMA here would round the same)
+      }
+      out[e] = sum;
     }
-    out[e] = sum;
-  }
-  wait_at(warp);
+  });
   for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
 
 // Lane l names row l % 8 of matrix l / 8; register i gets matrix i's (row g, columns 2t, 2t+1),
 // or with trans its (rows 2t, 2t+1, column g).
 inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
-  const unsigned t = thread_index.x, lane = t & 31u, warp0 = t & ~31u;
   check_shared_row(row, "ldmatrix");
-  memcpy(state->operands[t].data(), &row, sizeof(row));
-  Barrier& warp = state->warp_barriers[t >> 5];
-  wait_at(warp);
-  auto element = [&](unsigned matrix, unsigned mrow, unsigned mcol) -> uint32_t {
-    const unsigned char* base;
-    memcpy(&base, state->operands[warp0 + 8 * matrix + mrow].data(), sizeof(base));
-    uint16_t v;
-    memcpy(&v, base + 2 * mcol, sizeof(v));
-    return v;
-  };
-  const unsigned g = lane >> 2, tq = lane & 3u;
   uint32_t out[4];
-  for (unsigned i = 0; i < 4; ++i)
-    out[i] = trans ? element(i, 2 * tq, g) | (element(i, 2 * tq + 1, g) << 16)
-                   : element(i, g, 2 * tq) | (element(i, g, 2 * tq + 1) << 16);
-  wait_at(warp);
+  warp_exchange(&row, sizeof(row), [&](unsigned warp0, unsigned lane) {
+    auto element = [&](unsigned matrix, unsigned mrow, unsigned mcol) -> uint32_t {
+      const unsigned char* base;
+      memcpy(&base, state->operands[warp0 + 8 * matrix + mrow].data(), sizeof(base));
+      uint16_t v;
+      memcpy(&v, base + 2 * mcol, sizeof(v));
+      return v;
+    };
+    const unsigned g = lane >> 2, tq = lane & 3u;
+    for (unsigned i = 0; i < 4; ++i)
+      out[i] = trans ? element(i, 2 * tq, g) | (element(i, 2 * tq + 1, g) << 16)
+                     : element(i, g, 2 * tq) | (element(i, g, 2 * tq + 1) << 16);
+  });
   for (int i = 0; i < 4; ++i) r[i] = out[i];
 }
 

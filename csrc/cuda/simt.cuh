@@ -223,9 +223,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
     }
 
     if (r < rows) {
-      // l > 0: a visible row; l == 0: fully masked (output 0, lse -inf); l NaN: NaN scores.
-      const A nan = static_cast<A>(NAN);
-      const A inv = l_run > A(0) ? A(1) / l_run : (l_run == A(0) ? A(0) : nan);
+      const A inv = inverse_row_sum(l_run);
       T* out = static_cast<T*>(p.out.data) + batch_offset(p, p.out, idx) + i * p.out.row_stride;
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -236,8 +234,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
         }
       if (oc == 0 && g == 0) {
         A* lse = static_cast<A*>(p.lse.data) + batch_offset(p, p.lse, idx);
-        lse[i * p.lse.row_stride] = l_run > A(0) ? static_cast<A>((m_run + log2_acc(l_run)) * static_cast<A>(kLn2))
-                                    : (l_run == A(0) ? ninf : nan);
+        lse[i * p.lse.row_stride] = row_lse(m_run, l_run);
       }
     }
   }

@@ -83,14 +83,6 @@ __device__ __forceinline__ void scores_and_dp(float (&s)[N / 8][4], float (&dp)[
   }
 }
 
-// Whether every (row, key) of the query tile at i0 and key tile at j0 is in range, unmasked and
-// visible: then a logit is just the scaled score.
-__device__ __forceinline__ bool interior_tile(const AttentionParams& p, int64_t i0, int64_t rows, int64_t j0,
-                                              int64_t cols, int64_t shift) {
-  return p.mask_kind == MaskKind::kNone && rows == kTile && cols == kTile &&
-         (p.causal == CausalKind::kNone || j0 + kTile - 1 <= i0 + shift);
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) bwd_kv_kernel(const __grid_constant__ AttentionParams p,
                                                           int64_t total) {
@@ -179,7 +171,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kv_kernel(const __grid_constant_
         const float* hib = rowv + buf * 3 * kTile;
         const float* lob = hib + kTile;
         const float* deltab = hib + 2 * kTile;
-        const bool interior = interior_tile(p, i0, rows, j0, cols, ctx.shift);
+        const bool interior = interior_tile<kTile, kTile>(p, i0, rows, j0, cols, ctx.shift);
 
 #pragma unroll 1
         for (int qc = 0; qc < kTile; qc += QC) {
@@ -318,7 +310,7 @@ __global__ void __launch_bounds__(kThreads) bwd_q_kernel(const __grid_constant__
         cp_async_commit();
         const T* Kb = Ks + buf * kTile * D;
         const T* Vb = Vs + buf * kTile * D;
-        const bool interior = interior_tile(p, i0, rows, j0, cols, ctx.shift);
+        const bool interior = interior_tile<kTile, kTile>(p, i0, rows, j0, cols, ctx.shift);
 
 #pragma unroll 1
         for (int kc = 0; kc < kTile; kc += KC) {

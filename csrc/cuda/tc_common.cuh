@@ -91,6 +91,15 @@ __device__ __forceinline__ void store_acc_row(const float (&acc)[D / 8][4], int 
   }
 }
 
+// Whether every (row, key) of the BM-row query tile at i0 (rows in range) and the BN-key tile at
+// j0 (cols in range) is in range, unmasked and visible: then a logit is just the scaled score.
+template <int BM, int BN>
+__device__ __forceinline__ bool interior_tile(const AttentionParams& p, int64_t i0, int64_t rows, int64_t j0,
+                                              int64_t cols, int64_t shift) {
+  return p.mask_kind == MaskKind::kNone && rows == BM && cols == BN &&
+         (p.causal == CausalKind::kNone || j0 + BN - 1 <= i0 + shift);
+}
+
 // Rows of t are 16-byte aligned runs of contiguous elements (what cp.async copies).
 inline bool rows_are_aligned_chunks(const AttentionParams& p, const TensorRef& t) {
   if (t.col_stride != 1 || t.row_stride % 8 != 0 || reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return false;

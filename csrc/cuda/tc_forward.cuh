@@ -29,14 +29,8 @@ namespace tc {
 // Registers hold O (MT·D/2 floats per thread) and S (MT·BN/2); Q is re-read from shared memory
 // per key tile. At D = 128 the key tile is 32 keys (as FlashAttention-2's) so that both fit in
 // registers without spilling.
-template <int D>
-constexpr int m_tiles() {
-  return 2;
-}
-template <int D>
-constexpr int block_rows() {  // query rows per CTA
-  return 16 * kWarps * m_tiles<D>();
-}
+constexpr int kMTiles = 2;
+constexpr int kBlockRows = 16 * kWarps * kMTiles;  // query rows per CTA
 template <int D>
 constexpr int block_keys() {  // keys per tile; split-KV ranges are multiples of 64
   return D == 64 ? 64 : 32;
@@ -44,7 +38,7 @@ constexpr int block_keys() {  // keys per tile; split-KV ranges are multiples of
 
 template <int D>
 constexpr size_t forward_smem() {
-  return sizeof(uint16_t) * (block_rows<D>() * D + 4 * block_keys<D>() * D);  // Q, K[2], V[2]
+  return sizeof(uint16_t) * (kBlockRows * D + 4 * block_keys<D>() * D);  // Q, K[2], V[2]
 }
 
 // One 16-row m-tile's online-softmax step on the S tile s (C layout: rows ia, ib of this thread,
@@ -125,7 +119,7 @@ __device__ __forceinline__ void softmax_step(const AttentionParams& p, const Dev
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant__ AttentionParams p,
                                                            int64_t total) {
-  constexpr int MT = m_tiles<D>(), BM = block_rows<D>(), BN = block_keys<D>();
+  constexpr int MT = kMTiles, BM = kBlockRows, BN = block_keys<D>();
   ATTN_DYNAMIC_SHARED(smem_raw);
   T* Qs = reinterpret_cast<T*>(smem_raw);
   T* Ks = Qs + BM * D;  // two buffers of BN x D
@@ -215,10 +209,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
         }
       }
 
-      // Interior tiles (every row and key in range, no mask, wholly on the visible side of the
-      // causal diagonal) need only the scaling.
-      const bool interior = p.mask_kind == MaskKind::kNone && cols == BN && i0 + BM <= p.n &&
-                            (p.causal == CausalKind::kNone || j0 + BN - 1 <= i0 + ctx.shift);
+      const bool interior = interior_tile<BM, BN>(p, i0, rows, j0, cols, ctx.shift);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int64_t ia = i0 + wr0 + 16 * mt + g;
@@ -265,16 +256,11 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
           }
           continue;
         }
-        // O / l, lse = (m + log2 l) ln 2; l == 0: fully masked row (output 0, lse -inf);
-        // l NaN: NaN scores (output and lse NaN).
-        const float l = l_run[mt][h];
-        const float inv = l > 0.0f ? 1.0f / l : (l == 0.0f ? 0.0f : NAN);
         T* out = static_cast<T*>(p.out.data) + batch_offset(p, p.out, idx) + i * p.out.row_stride;
-        store_acc_row<D>(o[mt], h, t4, inv, out, p.out.col_stride);
+        store_acc_row<D>(o[mt], h, t4, inverse_row_sum(l_run[mt][h]), out, p.out.col_stride);
         if (t4 == 0) {
           float* lse = static_cast<float*>(p.lse.data) + batch_offset(p, p.lse, idx);
-          lse[i * p.lse.row_stride] =
-              l > 0.0f ? (m_run[mt][h] + log2f(l)) * static_cast<float>(kLn2) : (l == 0.0f ? ninf : NAN);
+          lse[i * p.lse.row_stride] = row_lse(m_run[mt][h], l_run[mt][h]);
         }
       }
   }
@@ -305,19 +291,18 @@ __global__ void __launch_bounds__(256) combine_kernel(const __grid_constant__ At
     }
     int64_t idx[kMaxBatchDims];
     unravel_batch(p, b, idx);
-    const float inv = sum > 0.0f ? 1.0f / sum : (sum == 0.0f ? 0.0f : NAN);
     T* out = static_cast<T*>(p.out.data) + batch_offset(p, p.out, idx) + i * p.out.row_stride;
-    store_acc(acc * inv, out + c * p.out.col_stride);
+    store_acc(acc * inverse_row_sum(sum), out + c * p.out.col_stride);
     if (c == 0) {
       float* lse = static_cast<float*>(p.lse.data) + batch_offset(p, p.lse, idx);
-      lse[i * p.lse.row_stride] = sum > 0.0f ? (mx + log2f(sum)) * static_cast<float>(kLn2) : (sum == 0.0f ? ninf : NAN);
+      lse[i * p.lse.row_stride] = row_lse(mx, sum);
     }
   }
 }
 
 template <typename T, int D>
 cudaError_t launch_forward_d(const AttentionParams& p, cudaStream_t stream) {
-  const int64_t total = p.batch_numel * ceil_div(p.n, block_rows<D>()) * p.kv_splits;
+  const int64_t total = p.batch_numel * ceil_div(p.n, kBlockRows) * p.kv_splits;
   if (total <= 0) return cudaSuccess;
   constexpr size_t smem = forward_smem<D>();
   cudaError_t err = prepare_smem(forward_kernel<T, D>, smem);
@@ -352,7 +337,7 @@ inline void plan_kv_splits(AttentionParams& p) {
     if (cudaGetDevice(&device) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
       return;
-    const int64_t ctas = p.batch_numel * ceil_div(p.n, p.dk == 64 ? block_rows<64>() : block_rows<128>());
+    const int64_t ctas = p.batch_numel * ceil_div(p.n, kBlockRows);
     if (ctas >= sms) return;
     splits = imin(ceil_div(2 * static_cast<int64_t>(sms), ctas), p.m / kMinSplitKeys);
   }
