@@ -24,6 +24,27 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 VERSION = "0.1.0"
 
 
+def _load_build_module():
+    """attention_ext/_build.py, loaded by path: the package itself cannot be imported before its
+    compiled ops exist."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_attention_ext_build", os.path.join(ROOT, "attention_ext", "_build.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_build = _load_build_module()
+
+
+def torch_requirement():
+    """The torch release this build is compiled against: C++ extensions are binary compatible only
+    within one release (major.minor), so the wheel says so and pip brings or keeps a matching torch."""
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return f"torch>={major}.{minor},<{major}.{minor + 1}"
+
+
 def _flag(name):
     return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
 
@@ -54,8 +75,8 @@ def extensions():
     cpu_sources = rel(
         glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
     )
-    cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fvisibility=hidden"]
-    link_flags = ["-fopenmp"]
+    cxx_flags = list(_build.CXX_FLAGS)
+    link_flags = list(_build.LD_FLAGS)
     define_macros = []
     if os.environ.get("ATTENTION_EXT_SANITIZE"):
         # e.g. ATTENTION_EXT_SANITIZE=address,undefined for the sanitizer CI job
@@ -114,6 +135,8 @@ def write_build_config():
         f.write('"""Written by setup.py at build time."""\n')
         f.write("TORCH_VERSION = %r\n" % torch.__version__)
         f.write("VERSION = %r\n" % VERSION)
+        # Which csrc/ this build compiled: a checkout finds an installed build of the same sources.
+        f.write("CSRC_DIGEST = %r\n" % _build.source_digest(os.path.join(ROOT, "csrc")))
 
 
 write_build_config()
@@ -133,8 +156,14 @@ setup(
     license="BSD-3-Clause",
     packages=find_packages(include=["attention_ext", "attention_ext.*"]),
     python_requires=">=3.9",
-    install_requires=["torch>=2.4"],
-    extras_require={"plot": ["matplotlib"], "test": ["pytest", "numpy"]},
+    # numpy: torch warns on import ("Failed to initialize NumPy") when it is missing.
+    install_requires=[torch_requirement(), "numpy"],
+    extras_require={
+        "plot": ["matplotlib"],
+        "hf": ["transformers"],
+        # Everything the test suite imports (tests/ is run with: pip install -e ".[test]").
+        "test": ["pytest", "hypothesis", "numpy", "transformers"],
+    },
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     zip_safe=False,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds the wheel, installs it into a fresh virtual environment with torch==2.13.0 and runs a
-# smoke test from outside the checkout: nothing may be imported from the source tree.
+# Builds the wheel, installs only the wheel into an empty virtual environment (pip must bring the
+# torch release it was compiled for, and refuse another one clearly), and runs a smoke test from
+# outside the checkout: nothing may be imported from the source tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -12,9 +13,31 @@ MAX_JOBS="${MAX_JOBS:-2}" pip wheel --no-build-isolation --no-deps -w "$work/dis
 wheel=$(ls "$work"/dist/attention_ext-*.whl)
 echo "built $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
 
+built_release=$(python -c "import torch; print('.'.join(torch.__version__.split('+')[0].split('.')[:2]))")
+requires=$(unzip -p "$wheel" '*.dist-info/METADATA' | grep '^Requires-Dist: torch')
+echo "$requires"
+major=${built_release%.*}; minor=${built_release#*.}
+[ "$requires" = "Requires-Dist: torch<$major.$((minor + 1)),>=$built_release" ] \
+  || { echo "the wheel should require torch>=$built_release,<$major.$((minor + 1))"; exit 1; }
+
 python -m venv "$work/venv"
-"$work/venv/bin/pip" install --quiet torch==2.13.0
-"$work/venv/bin/pip" install --quiet "$wheel"
+# Beside a torch of another release (a stand-in dist-info for torch 2.4.0) and nothing to upgrade
+# it from, pip refuses, naming the requirement, instead of installing a wheel that cannot load.
+site=$("$work/venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+mkdir "$site/torch-2.4.0.dist-info"
+printf 'Metadata-Version: 2.1\nName: torch\nVersion: 2.4.0\n' > "$site/torch-2.4.0.dist-info/METADATA"
+echo "torch-2.4.0.dist-info/METADATA,," > "$site/torch-2.4.0.dist-info/RECORD"
+if env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$work/venv/bin/pip" install --no-index "$wheel" \
+     > "$work/conflict.log" 2>&1; then
+  echo "pip installed the wheel beside torch 2.4.0"; exit 1
+fi
+grep -q "torch<$major.$((minor + 1)),>=$built_release" "$work/conflict.log" \
+  || { tail -20 "$work/conflict.log"; echo "pip did not name the wheel's torch requirement"; exit 1; }
+echo "beside torch 2.4.0: pip refuses: $(grep -m1 'ERROR' "$work/conflict.log")"
+rm -r "$site/torch-2.4.0.dist-info"
+# Alone, the wheel brings its torch.
+"$work/venv/bin/pip" install --quiet "$wheel" 2>&1 | grep -v "^WARNING: Location" || true
+"$work/venv/bin/python" -c "import torch; print('pip brought torch', torch.__version__)"
 
 cd "$work"
 "$work/venv/bin/python" - "$root" <<'PY'
