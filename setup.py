@@ -6,9 +6,10 @@ Build against the installed torch:  pip install --no-build-isolation .
 """
 import glob
 import os
+import re
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 try:
     import torch
@@ -21,7 +22,8 @@ except ImportError:  # pragma: no cover - the message is the point
     )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-VERSION = "0.1.0"
+# The version's one place is attention_ext/_version.py (pyproject.toml reads it too).
+VERSION = re.search(r'__version__ = "([^"]+)"', open(os.path.join(ROOT, "attention_ext", "_version.py")).read()).group(1)
 
 
 def _load_build_module():
@@ -142,28 +144,11 @@ def write_build_config():
 write_build_config()
 
 
-def long_description():
-    path = os.path.join(ROOT, "README.md")
-    return open(path, encoding="utf-8").read() if os.path.exists(path) else ""
-
-
+# Name, description, extras and the rest of the metadata are in pyproject.toml.
 setup(
-    name="attention_ext",
-    version=VERSION,
-    description="Fused scaled dot-product attention for PyTorch: the same kernels in fp64/fp32/fp16/bf16 on CPU and CUDA",
-    long_description=long_description(),
-    long_description_content_type="text/markdown",
     license="BSD-3-Clause",
-    packages=find_packages(include=["attention_ext", "attention_ext.*"]),
-    python_requires=">=3.9",
     # numpy: torch warns on import ("Failed to initialize NumPy") when it is missing.
     install_requires=[torch_requirement(), "numpy"],
-    extras_require={
-        "plot": ["matplotlib"],
-        "hf": ["transformers"],
-        # Everything the test suite imports (tests/ is run with: pip install -e ".[test]").
-        "test": ["pytest", "hypothesis", "numpy", "transformers"],
-    },
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     zip_safe=False,

@@ -22,9 +22,8 @@ from .api import (
     dropout_mask,
     scaled_dot_product_attention,
 )
+from ._version import __version__
 from .reference import attention_reference
-
-__version__ = "0.1.0"
 
 __all__ = [
     "scaled_dot_product_attention",
