@@ -3,8 +3,9 @@
 #
 # A fresh clone of HEAD, an empty venv (no system site-packages), and the two commands extracted from
 # README.md now (never a copy of them), each run verbatim by bash from the clone's root in a clean
-# environment: only PATH (the venv first, as `activate` sets it), VIRTUAL_ENV, a new empty HOME, TMPDIR
-# and LANG. Nothing is installed into the venv except by those commands. Fails if either command
+# environment: only PATH (the venv first, as `activate` sets it), VIRTUAL_ENV, HOME, LANG and this machine's
+# PIP_* settings (HOME and PIP_* are the machine's own configuration: on CI's machines they tell pip where the
+# local CPU build of torch lies). Nothing is installed into the venv except by those commands. Fails if either command
 # fails, if the demo does not print the worked example's output, if anything it prints is a Python
 # warning, or if pytest reports a failure or an error.
 #
@@ -31,12 +32,13 @@ for i, command in enumerate(commands, 1):
 PY
 
 python3 -m venv "$work/venv"
-mkdir -p "$work/home" "$work/tmp"
+machine_pip_settings=()
+while IFS= read -r var; do machine_pip_settings+=("$var"); done < <(env | grep '^PIP_' || true)
 run_clean() {  # run_clean N: command N, verbatim, in a clean environment from the clone's root
   local started=$SECONDS rc=0
   echo "command $1: $(cat "$work/command$1.sh")"
   (cd "$work/clone" && env -i PATH="$work/venv/bin:/usr/local/bin:/usr/bin:/bin" VIRTUAL_ENV="$work/venv" \
-     HOME="$work/home" TMPDIR="$work/tmp" LANG=C.UTF-8 bash -e "$work/command$1.sh") \
+     HOME="$HOME" LANG=C.UTF-8 "${machine_pip_settings[@]}" bash -e "$work/command$1.sh") \
      > "$work/command$1.log" 2>&1 || rc=$?
   echo "command $1: exit $rc after $((SECONDS - started)) s"
   if [ "$rc" != 0 ]; then tail -40 "$work/command$1.log"; exit 1; fi
