@@ -15,6 +15,33 @@ struct Variant {
   bool (*supported)();
 };
 
+// A variant's table, assembled from its stages on first use (only after its CPU check).
+template <void (*FillForward)(KernelTable&), void (*FillBackward)(KernelTable&)>
+const KernelTable& table_of(const char* name) {
+  static const KernelTable table = [name] {
+    KernelTable t{};
+    t.name = name;
+    FillForward(t);
+    FillBackward(t);
+    return t;
+  }();
+  return table;
+}
+const KernelTable& kernels_generic() {
+  return table_of<generic::fill_forward_kernels, generic::fill_backward_kernels>("generic");
+}
+#if defined(__x86_64__) || defined(_M_X64)
+const KernelTable& kernels_avx2() {
+  return table_of<avx2::fill_forward_kernels, avx2::fill_backward_kernels>("avx2");
+}
+const KernelTable& kernels_avx512() {
+  return table_of<avx512::fill_forward_kernels, avx512::fill_backward_kernels>("avx512");
+}
+const KernelTable& kernels_avx512bf16() {
+  return table_of<avx512bf16::fill_forward_kernels, avx512::fill_backward_kernels>("avx512bf16");
+}
+#endif
+
 #if defined(__x86_64__) || defined(_M_X64)
 bool has_avx512() {
   __builtin_cpu_init();
