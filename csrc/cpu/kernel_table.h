@@ -51,6 +51,9 @@ struct KernelTable {
   ItemFn backward_mask;
   // items: batch_numel * ceil(n / kBlockM). Writes probs from lse.
   ItemFn probabilities;
+  // Runs `iterations` rounds of independent vector FMAs on the calling thread; returns the flops
+  // done (fma_probe.inc). For measuring the machine's FMA peak, not for attention.
+  double (*fma_probe)(int64_t iterations);
 };
 
 // Each stage of a variant fills its part of the table (isa_end.h defines these).
