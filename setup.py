@@ -4,7 +4,6 @@ build that runs the CUDA kernels on CPU tensors (.ci/cuda_emulation.sh).
 
 Build against the installed torch:  pip install --no-build-isolation .
 """
-import glob
 import os
 import re
 import sys
@@ -69,16 +68,11 @@ def cuda_headers():
     sys.exit("ATTENTION_EXT_CUDA_EMULATION=1 needs the CUDA headers (cuda_runtime.h); set CUDA_HOME")
 
 
-def rel(paths):
-    return sorted(os.path.relpath(p, ROOT) for p in paths)
-
-
 def extensions():
-    cpu_sources = rel(
-        glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
-    )
-    cxx_flags = list(_build.CXX_FLAGS)
-    link_flags = list(_build.LD_FLAGS)
+    description = _build.build_description(ROOT)  # csrc/build_sources.txt
+    cpu_sources = _build.sources("cpu", ROOT)
+    cxx_flags = description["cxxflags"]
+    link_flags = description["ldflags"]
     define_macros = []
     if os.environ.get("ATTENTION_EXT_SANITIZE"):
         # e.g. ATTENTION_EXT_SANITIZE=address,undefined for the sanitizer CI job
@@ -88,10 +82,10 @@ def extensions():
         link_flags.append(san)
     if _flag("ATTENTION_EXT_CUDA_EMULATION"):
         # A test build: the CUDA binding and kernels compiled by the host compiler, registered
-        # for CPU tensors and run on host threads (csrc/cuda/emulation.h). Needs the CUDA headers
+        # for CPU tensors and run on host threads (csrc/cuda_emulation/emulation.h). Needs the CUDA headers
         # only, no GPU and no CUDA runtime; never a build to install.
         cuda_include = cuda_headers()
-        emulated = ["csrc/cuda/attention_cuda.cpp", "csrc/cuda/emulated_kernels.cpp"]
+        emulated = _build.sources("emulation", ROOT)
         return [
             CppExtension(
                 "attention_ext._C",
@@ -104,11 +98,10 @@ def extensions():
             )
         ]
     if want_cuda():
-        cuda_sources = rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")) + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
+        cuda_sources = _build.sources("cuda", ROOT)
         archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         define_macros += [("ATTENTION_EXT_WITH_CUDA", None), ("ATTENTION_EXT_CUDA_ARCHS", '"%s"' % archs)]
-        nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr",
-                      "--threads", os.environ.get("NVCC_THREADS", "4")]
+        nvcc_flags = description["nvccflags"] + ["--threads", os.environ.get("NVCC_THREADS", "4")]
         return [
             CUDAExtension(
                 "attention_ext._C",

@@ -13,7 +13,9 @@ NVCC=${NVCC:-nvcc}
 JOBS=${JOBS:-$(nproc 2>/dev/null || echo 2)}
 OUTDIR=$(mktemp -d /tmp/attention_ext_cuda.XXXXXX)
 trap 'rm -rf "$OUTDIR"' EXIT
-NVCC_FLAGS=(-std=c++17 -O3 -I csrc --use_fast_math --expt-relaxed-constexpr
+# The described nvcc flags (csrc/build_sources.txt, as setup.py and CMake read them), the two archs.
+read -ra DESCRIBED_FLAGS <<< "$(sed -n 's/#.*//; s/^nvccflags[[:space:]]\+//p' csrc/build_sources.txt | tr '\n' ' ')"
+NVCC_FLAGS=("${DESCRIBED_FLAGS[@]}" -I csrc
             -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
             -Xptxas -warn-spills)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA kernels (SIMT and tensor-core), compiled by the host compiler and run on CPU tensors by the emulation in
-# csrc/cuda/emulation.h (every CUDA thread a fiber; __syncthreads, warp shuffles, mma.sync and ldmatrix as barriers),
+# csrc/cuda_emulation/emulation.h (every CUDA thread a fiber; __syncthreads, warp shuffles, mma.sync and ldmatrix as barriers),
 # against the test suite: the kernels' semantics checked without a GPU. Tests of the CPU kernels'
 # own machinery (ISA variants, decode path, schedules) are marked cpu_kernels and skipped there.
 # The build happens in a scratch copy of the tree so the regular in-place build is left alone.

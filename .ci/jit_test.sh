@@ -16,10 +16,10 @@ python -m attention_ext check --quick --dtype float32 | tail -1
 
 log="$ATTENTION_EXT_JIT_DIR/.ninja_log"
 before=$(wc -l < "$log")
-touch csrc/cpu/kernels_avx2.cpp
+touch csrc/cpu/variants/avx2_forward.cpp
 start=$(date +%s.%N)
 python -c "import attention_ext"
-echo "JIT rebuild after touching csrc/cpu/kernels_avx2.cpp (incl. python + torch import): $(python -c "print(f'{$(date +%s.%N) - $start:.1f}')") s"
+echo "JIT rebuild after touching csrc/cpu/variants/avx2_forward.cpp (incl. python + torch import): $(python -c "print(f'{$(date +%s.%N) - $start:.1f}')") s"
 rebuilt=$(tail -n +"$((before + 1))" "$log" | awk '{print $4}' | sort | tr '\n' ' ')
 echo "ninja rebuilt: $rebuilt"
-[ "$rebuilt" = "attention_ext_jit.so kernels_avx2.o " ] || { echo "expected only kernels_avx2.o and the link"; exit 1; }
+[ "$rebuilt" = "attention_ext_jit.so avx2_forward.o " ] || { echo "expected only avx2_forward.o and the link"; exit 1; }

@@ -14,10 +14,8 @@ import sys
 import torch
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-SOURCE_DIR = os.path.join(os.path.dirname(PACKAGE_DIR), "csrc")
-
-CXX_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fvisibility=hidden"]
-LD_FLAGS = ["-fopenmp"]
+ROOT_DIR = os.path.dirname(PACKAGE_DIR)
+SOURCE_DIR = os.path.join(ROOT_DIR, "csrc")
 
 _loaded_from = None
 
@@ -26,11 +24,30 @@ def jit_requested() -> bool:
     return os.environ.get("ATTENTION_EXT_JIT", "0").lower() in ("1", "true", "yes", "on")
 
 
+def build_description(root: str = ROOT_DIR) -> dict:
+    """csrc/build_sources.txt, the one description of the build (sources, flags) that setup.py,
+    the JIT build and CMakeLists.txt read: {kind: [values, in file order]}."""
+    entries = {}
+    with open(os.path.join(root, "csrc", "build_sources.txt")) as f:
+        for line in f:
+            words = line.split("#", 1)[0].split()
+            if words:
+                entries.setdefault(words[0], []).extend(words[1:])
+    return entries
+
+
+def sources(kind: str, root: str = ROOT_DIR) -> list:
+    """The files of one kind of csrc/build_sources.txt (globs expanded), relative to root, sorted."""
+    files = set()
+    for pattern in build_description(root).get(kind, []):
+        files.update(os.path.relpath(f, root) for f in glob.glob(os.path.join(root, pattern)))
+    return sorted(files)
+
+
 def jit_sources():
-    srcs = glob.glob(os.path.join(SOURCE_DIR, "*.cpp")) + glob.glob(os.path.join(SOURCE_DIR, "cpu", "*.cpp"))
-    # module.cpp is the Python module init of the prebuilt extension; the JIT library is loaded
-    # with torch.ops.load_library instead.
-    return sorted(s for s in srcs if os.path.basename(s) != "module.cpp")
+    # The Python module init belongs to the prebuilt extension; the JIT library is loaded with
+    # torch.ops.load_library instead.
+    return [os.path.join(ROOT_DIR, f) for f in sources("cpu") if f not in sources("pymodule")]
 
 
 def jit_build_dir() -> str:
@@ -53,8 +70,8 @@ def build_jit(verbose: bool = False) -> str:
         name="attention_ext_jit",
         sources=jit_sources(),
         extra_include_paths=[SOURCE_DIR],
-        extra_cflags=CXX_FLAGS,
-        extra_ldflags=LD_FLAGS,
+        extra_cflags=build_description()["cxxflags"],
+        extra_ldflags=build_description()["ldflags"],
         build_directory=jit_build_dir(),
         is_python_module=False,
         verbose=verbose,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._build import load_extension
+from ._constants import CAUSAL_CODES, FLOAT_DTYPES, lse_dtype, scale_overflows  # noqa: F401 (re-exported)
 
 load_extension()
 
@@ -13,24 +14,6 @@ ops = torch.ops.attention_ext
 
 def _batch_shape(*tensors):
     return torch.broadcast_shapes(*(t.shape[:-2] for t in tensors))
-
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-_LOG2E = 1.4426950408889634
-
-
-def scale_overflows(scale: float, dtype: torch.dtype) -> bool:
-    """Whether scale·log2(e), which the kernels hold in the accumulation dtype (float32 unless the
-    inputs are float64), is beyond its range (the C++ binding's check, the same arithmetic)."""
-    return abs(scale) * _LOG2E > torch.finfo(lse_dtype(dtype)).max
-
-
-def max_scale(dtype: torch.dtype) -> float:
-    return torch.finfo(lse_dtype(dtype)).max / _LOG2E
 
 
 def _check(cond, message):
@@ -58,7 +41,7 @@ def _check_fake_inputs(query, key, value, attn_mask, scale, causal, dropout_p, r
                f"{tuple(key.shape)} and value {tuple(value.shape)}")
     _check(not scale_overflows(scale, query.dtype),
            f"scale {scale} is not finite in the accumulation of {query.dtype} inputs")
-    _check(causal in (0, 1, 2), f"causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got {causal}")
+    _check(causal in CAUSAL_CODES.values(), f"causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got {causal}")
     _check(0.0 <= dropout_p < 1.0, f"dropout_p must be in [0, 1), got {dropout_p}")
     if dropout_p > 0.0:
         _check(rng_state is not None, "dropout_p > 0 needs an rng_state tensor")

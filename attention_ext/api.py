@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch
 
-from ._ops import FLOAT_DTYPES, lse_dtype, max_scale, ops, scale_overflows
+from ._constants import CAUSAL_CODES, FLOAT_DTYPES, lse_dtype, max_scale, scale_overflows
+from ._ops import ops
 from .function import AttentionFunction, AttentionWeightsFunction
-from .reference import CAUSAL_KINDS
 
 
 
@@ -124,7 +124,7 @@ def _check_dropout(dropout_p):
 
 
 def _check_causal(causal):
-    if causal not in CAUSAL_KINDS:
+    if causal not in CAUSAL_CODES:
         raise ValueError(f"attention_ext: causal must be None, 'top_left' or 'bottom_right', got {causal!r}")
     return causal
 
@@ -252,7 +252,7 @@ def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa):
         key = key.expand(*kv_batch, *key.shape[-2:])
         value = value.expand(*kv_batch, *value.shape[-2:])
     rng_state = draw_rng_state(query.device) if dropout_p > 0 else None
-    args = (query, key, value, attn_mask, scale, CAUSAL_KINDS[causal], dropout_p, rng_state)
+    args = (query, key, value, attn_mask, scale, CAUSAL_CODES[causal], dropout_p, rng_state)
     if torch.compiler.is_compiling():
         # Dynamo traces the op with its registered autograd (the same backward); the Function's
         # jvp/vmap rules are for eager functorch transforms.
@@ -309,7 +309,7 @@ def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = Non
     # The shared checks, with a value of no columns.
     value = key.new_empty((*key.shape[:-1], 0))
     query, key, value, attn_mask, scale, _, heads = _prepare(query, key, value, attn_mask, scale, 0.0, enable_gqa)
-    args = (query, key, attn_mask, scale, CAUSAL_KINDS[causal])
+    args = (query, key, attn_mask, scale, CAUSAL_CODES[causal])
     w = ops.attention_probs(*args) if torch.compiler.is_compiling() else AttentionWeightsFunction.apply(*args)
     if heads is not None:
         w = w.flatten(-4, -3)

@@ -19,10 +19,9 @@ import inspect
 
 import torch
 
-from ._ops import lse_dtype, ops
+from ._constants import CAUSAL_NAMES, lse_dtype
+from ._ops import ops
 from .reference import masked_scores, softmax_lse
-
-CAUSAL_NAMES = {0: None, 1: "top_left", 2: "bottom_right"}
 
 
 def keep_scale(rng_state, batch_shape, n, m, dropout_p, dtype):

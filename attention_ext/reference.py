@@ -12,7 +12,6 @@ from typing import Optional
 
 import torch
 
-CAUSAL_KINDS = {None: 0, "top_left": 1, "bottom_right": 2}
 
 
 def causal_visibility(n: int, m: int, causal: Optional[str], device=None) -> Optional[torch.Tensor]:

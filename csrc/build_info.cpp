@@ -39,7 +39,7 @@ std::string build_info() {
 #endif
   os << "cuda_archs=" << ATTENTION_EXT_CUDA_ARCHS << "\n";
 #if defined(ATTN_CUDA_EMULATION)
-  // CPU tensors run the CUDA kernels on host threads (cuda/emulation.h): a test build.
+  // CPU tensors run the CUDA kernels on host threads (cuda_emulation/emulation.h): a test build.
   os << "cuda_emulation=1\n";
 #else
   os << "cuda_emulation=0\n";

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "build_info.h"
+#include "cpu/cpu_dispatch.h"
 
 TORCH_LIBRARY(attention_ext, m) {
   m.def(
@@ -27,4 +28,6 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("build_info() -> str", &attention_ext::build_info);
   m.def("cpu_variant() -> str", &attention_ext::cpu_variant);
   m.def("set_cpu_variant(str name) -> str", &attention_ext::set_cpu_variant);
+  // The machine's float32 FMA peak (GFLOP/s, all torch threads), measured by the CPU kernels' code.
+  m.def("cpu_fma_peak_gflops(int iterations) -> float", &attention_ext::cpu::fma_peak_gflops);
 }

@@ -98,3 +98,14 @@ def test_ops_check_their_inputs_too():
 def test_unknown_cpu_variant():
     with pytest.raises(RuntimeError, match=r"unknown CPU kernel variant 'sse9'"):
         attention_ext.set_cpu_variant("sse9")
+
+
+@pytest.mark.cpu_kernels
+@pytest.mark.parametrize("switch, typo", [("ATTENTION_EXT_CPU_FORWARD", "tile"), ("ATTENTION_EXT_CPU_BACKWARD", "fuse")])
+def test_unknown_path_switch_value_is_an_error_not_the_default(monkeypatch, switch, typo):
+    # A mistyped switch must not silently run the default path (a test forcing a path would then
+    # test the other one).
+    monkeypatch.setenv(switch, typo)
+    q = t(2, 5, 4).requires_grad_()
+    with pytest.raises(RuntimeError, match=rf"{switch}={typo} is not a known value; expected one of: "):
+        attention_ext.scaled_dot_product_attention(q, q, q).sum().backward()

@@ -5,7 +5,9 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "../attention_binding.h"
 #include "../attention_geometry.h"
@@ -16,6 +18,17 @@ namespace attention_ext {
 namespace cpu {
 namespace {
 
+// The value of a path switch (an environment variable that forces one of the kernels' paths), ""
+// when unset; any other value than the allowed ones is an error, never silently the default.
+std::string path_switch(const char* name, std::initializer_list<const char*> allowed) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return "";
+  for (const char* value : allowed)
+    if (std::string(env) == value) return env;
+  TORCH_CHECK(false, "attention_ext: ", name, "=", env, " is not a known value; expected one of: ",
+              c10::Join(", ", std::vector<std::string>(allowed.begin(), allowed.end())), " (or unset)");
+}
+
 void run_items(ItemFn fn, const AttentionParams& p, int64_t items) {
   if (items <= 0) return;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) { fn(p, begin, end); });
@@ -25,11 +38,10 @@ void run_items(ItemFn fn, const AttentionParams& p, int64_t items) {
 // over key owners; the split one parallelises over tiles. Both give bitwise identical results,
 // so the choice may follow the thread count. ATTENTION_EXT_CPU_BACKWARD=fused|split forces one.
 bool use_fused_backward(const AttentionParams& p, int64_t k_owners) {
+  const std::string forced = path_switch("ATTENTION_EXT_CPU_BACKWARD", {"fused", "split"});
   if (owners_of(p, p.grad_q) != p.batch_numel) return false;  // query broadcast: dQ rows shared
   if (p.n == 0 || p.m == 0) return false;
-  const char* env = std::getenv("ATTENTION_EXT_CPU_BACKWARD");
-  if (env != nullptr && std::string(env) == "fused") return true;
-  if (env != nullptr && std::string(env) == "split") return false;
+  if (!forced.empty()) return forced == "fused";
   return k_owners >= 2 * static_cast<int64_t>(at::get_num_threads());
 }
 
@@ -51,8 +63,7 @@ void set_decode_splits(AttentionParams& p) {
 // ATTENTION_EXT_CPU_FORWARD=tiled|decode forces one (decode only applies up to kDecodeRows rows).
 void run_forward(AttentionParams& p, const at::Tensor& q) {
   const KernelTable& kernels = active_kernels();
-  const char* env = std::getenv("ATTENTION_EXT_CPU_FORWARD");
-  const bool decode = p.n <= kDecodeRows && !(env != nullptr && std::string(env) == "tiled");
+  const bool decode = p.n <= kDecodeRows && path_switch("ATTENTION_EXT_CPU_FORWARD", {"tiled", "decode"}) != "tiled";
   if (!decode) {
     run_items(kernels.forward, p, p.batch_numel * ceil_div(p.n, kBlockM));
     return;
@@ -162,7 +173,7 @@ at::Tensor dropout_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_
 
 }  // namespace
 
-#ifndef ATTN_CUDA_EMULATION  // there the CUDA binding takes CPU tensors (cuda/emulation.h)
+#ifndef ATTN_CUDA_EMULATION  // there the CUDA binding takes CPU tensors (cuda_emulation/emulation.h)
 TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
   m.impl("attention_fwd", &attention_fwd);
   m.impl("attention_bwd", &attention_bwd);

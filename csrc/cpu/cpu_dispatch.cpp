@@ -2,8 +2,12 @@
 
 #include <c10/util/Exception.h>
 
+#include <ATen/Parallel.h>
+
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
+#include <vector>
 
 namespace attention_ext {
 namespace cpu {
@@ -14,6 +18,33 @@ struct Variant {
   const KernelTable& (*table)();
   bool (*supported)();
 };
+
+// A variant's table, assembled from its stages on first use (only after its CPU check).
+template <void (*FillForward)(KernelTable&), void (*FillBackward)(KernelTable&)>
+const KernelTable& table_of(const char* name) {
+  static const KernelTable table = [name] {
+    KernelTable t{};
+    t.name = name;
+    FillForward(t);
+    FillBackward(t);
+    return t;
+  }();
+  return table;
+}
+const KernelTable& kernels_generic() {
+  return table_of<generic::fill_forward_kernels, generic::fill_backward_kernels>("generic");
+}
+#if defined(__x86_64__) || defined(_M_X64)
+const KernelTable& kernels_avx2() {
+  return table_of<avx2::fill_forward_kernels, avx2::fill_backward_kernels>("avx2");
+}
+const KernelTable& kernels_avx512() {
+  return table_of<avx512::fill_forward_kernels, avx512::fill_backward_kernels>("avx512");
+}
+const KernelTable& kernels_avx512bf16() {
+  return table_of<avx512bf16::fill_forward_kernels, avx512::fill_backward_kernels>("avx512bf16");
+}
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 bool has_avx512() {
@@ -86,6 +117,21 @@ std::vector<std::string> compiled_variants() {
   std::vector<std::string> names;
   for (const Variant& v : variants()) names.emplace_back(v.name);
   return names;
+}
+
+double fma_peak_gflops(int64_t iterations) {
+  TORCH_CHECK(iterations > 0, "attention_ext: iterations must be positive, got ", iterations);
+  const KernelTable& kernels = active_kernels();
+  const int64_t threads = at::get_num_threads();
+  std::vector<double> flops(threads, 0.0);
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) flops[t] = kernels.fma_probe(iterations);
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double total = 0.0;
+  for (double f : flops) total += f;
+  return total / seconds / 1e9;
 }
 
 std::string set_variant(const std::string& name) {

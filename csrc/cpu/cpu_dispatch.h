@@ -17,6 +17,9 @@ std::vector<std::string> compiled_variants();
 // Selects a variant by name ("auto" = best supported); raises for unknown/unsupported names.
 // Returns the name now active.
 std::string set_variant(const std::string& name);
+// The machine's float32 FMA peak in GFLOP/s as the active variant's widest vectors reach it: every
+// torch thread runs fma_probe(iterations) at once (the benchmarks' "% of peak").
+double fma_peak_gflops(int64_t iterations);
 
 }  // namespace cpu
 }  // namespace attention_ext

@@ -1,9 +1,10 @@
 // The CPU kernels of one instruction-set variant, as a table of plain functions.
 //
-// Each variant (avx512bf16, avx512, avx2, generic) is the same source, attention_kernels.inc, compiled in its
-// own translation unit with its own target flags and namespace. The torch-facing binding picks a
-// table at run time from what the CPU supports, so code built for a wider ISA never runs on a CPU
-// without it. No torch headers here: the kernel TUs must not instantiate torch code.
+// Each variant (avx512bf16, avx512, avx2, generic) is the same source compiled with its own target
+// flags and namespace, one translation unit per stage (isa_begin.h; variants/<isa>_<stage>.cpp).
+// The torch-facing binding picks a table at run time from what the CPU supports, so code built
+// for a wider ISA never runs on a CPU without it. No torch headers here: the kernel TUs must not
+// instantiate torch code.
 #pragma once
 #include <stdint.h>
 
@@ -50,14 +51,26 @@ struct KernelTable {
   ItemFn backward_mask;
   // items: batch_numel * ceil(n / kBlockM). Writes probs from lse.
   ItemFn probabilities;
+  // Runs `iterations` rounds of independent vector FMAs on the calling thread; returns the flops
+  // done (fma_probe.inc). For measuring the machine's FMA peak, not for attention.
+  double (*fma_probe)(int64_t iterations);
 };
 
-const KernelTable& kernels_generic();
+// Each stage of a variant fills its part of the table (isa_end.h defines these).
+#define ATTN_DECLARE_VARIANT_STAGES(isa)   \
+  namespace isa {                          \
+  void fill_forward_kernels(KernelTable&);  \
+  void fill_backward_kernels(KernelTable&); \
+  }
+ATTN_DECLARE_VARIANT_STAGES(generic)
 #if defined(__x86_64__) || defined(_M_X64)
-const KernelTable& kernels_avx2();
-const KernelTable& kernels_avx512();
-const KernelTable& kernels_avx512bf16();
+ATTN_DECLARE_VARIANT_STAGES(avx2)
+ATTN_DECLARE_VARIANT_STAGES(avx512)
+namespace avx512bf16 {
+void fill_forward_kernels(KernelTable&);  // its backward is avx512's
+}
 #endif
+#undef ATTN_DECLARE_VARIANT_STAGES
 
 }  // namespace cpu
 }  // namespace attention_ext

@@ -6,7 +6,7 @@
 // free of the cuBLAS/cuSPARSE headers ATen/cuda/CUDAContext.h pulls in.
 //
 // In an ATTN_CUDA_EMULATION build (setup.py, ATTENTION_EXT_CUDA_EMULATION=1) the same binding is
-// registered for CPU tensors and the kernels run on host threads (emulation.h): no device, guard
+// registered for CPU tensors and the kernels run on host threads (../cuda_emulation/emulation.h): no device, guard
 // or stream.
 #include <ATen/ATen.h>
 #include <torch/library.h>

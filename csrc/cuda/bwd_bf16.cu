@@ -1,7 +1,7 @@
 // Backward kernels for __nv_bfloat16 storage: the tensor-core dK/dV and dQ passes (tc_backward.cuh) for
-// head dim 64/128, the SIMT passes (simt.cuh) otherwise; row shift, delta and the mask gradient
+// head dim 64/128, the SIMT passes (simt_backward.cuh) otherwise; row shift, delta and the mask gradient
 // are SIMT kernels on both paths.
-#include "simt.cuh"
+#include "simt_backward.cuh"
 #include "tc_backward.cuh"
 
 namespace attention_ext {

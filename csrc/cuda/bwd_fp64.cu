@@ -1,5 +1,5 @@
-// Backward kernels (delta, dK/dV, dQ, mask gradient) for double storage (SIMT path; see simt.cuh).
-#include "simt.cuh"
+// Backward kernels (delta, dK/dV, dQ, mask gradient) for double storage (SIMT path; see simt_common.cuh).
+#include "simt_backward.cuh"
 
 namespace attention_ext {
 namespace cuda {

@@ -1,6 +1,7 @@
-// Device helpers shared by the CUDA attention kernels: storage <-> accumulator conversions, batch
-// indexing (attention_geometry.h, shared with the CPU kernels), causal geometry, logits and
-// the dropout stream. No torch headers: kernels see only AttentionParams.
+// Device helpers shared by the CUDA attention kernels: storage <-> accumulator conversions, the
+// per-call constants and the logit of one score (by the rules of attention_semantics.h and
+// attention_geometry.h, shared with the CPU kernels), and the dropout stream. No torch headers:
+// kernels see only AttentionParams.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -9,10 +10,11 @@
 
 #include "../attention_geometry.h"
 #include "../attention_params.h"
+#include "../attention_semantics.h"
 #include "../philox.h"
 
 // Kernel launches and dynamic shared memory are spelled through these two macros so that the
-// host emulation (emulation.h, ATTN_CUDA_EMULATION builds) can give them a host meaning.
+// host emulation (../cuda_emulation/emulation.h, ATTN_CUDA_EMULATION builds) can give them a host meaning.
 #ifndef ATTN_LAUNCH
 #define ATTN_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
 #endif
@@ -24,16 +26,7 @@ namespace attention_ext {
 namespace cuda {
 
 // ---------------------------------------------------------------------------------------------
-// Storage types. Accumulation is float for fp32/fp16/bf16 and double for fp64 (as on the CPU).
-
-template <typename T>
-struct AccOf {
-  using type = float;
-};
-template <>
-struct AccOf<double> {
-  using type = double;
-};
+// Storage types. Accumulation: AccOf (attention_semantics.h), as on the CPU.
 
 __device__ __forceinline__ double to_acc(double x) { return x; }
 __device__ __forceinline__ float to_acc(float x) { return x; }
@@ -65,57 +58,15 @@ __device__ __forceinline__ void store_acc2(float a, float b, __nv_bfloat16* dst,
   }
 }
 
-// Lowest finite value of the storage type: an additive mask entry at or below it is "masked out".
-template <typename T>
-struct Lowest;
-template <>
-struct Lowest<double> {
-  static __device__ __forceinline__ double value() { return -1.7976931348623157e308; }
-};
-template <>
-struct Lowest<float> {
-  static __device__ __forceinline__ float value() { return -3.4028234663852886e38f; }
-};
-template <>
-struct Lowest<__half> {
-  static __device__ __forceinline__ float value() { return -65504.0f; }
-};
-template <>
-struct Lowest<__nv_bfloat16> {
-  static __device__ __forceinline__ float value() { return -3.3895313892515355e38f; }
-};
-
-__device__ __forceinline__ float exp2_acc(float x) { return exp2f(x); }
-__device__ __forceinline__ double exp2_acc(double x) { return exp2(x); }
-__device__ __forceinline__ float log2_acc(float x) { return log2f(x); }
-__device__ __forceinline__ double log2_acc(double x) { return log2(x); }
-
-template <typename A>
-__device__ __forceinline__ A neg_inf() {
-  return -static_cast<A>(INFINITY);
-}
-
-// The end of a row's online softmax from its running max m (log2 units) and sum l: the factor that
-// normalises O and the natural-log lse. l > 0: a row with visible keys; l == 0: fully masked
-// (output 0, lse -inf); l NaN: NaN scores (output and lse NaN).
-template <typename A>
-__device__ __forceinline__ A inverse_row_sum(A l) {
-  return l > A(0) ? A(1) / l : (l == A(0) ? A(0) : static_cast<A>(NAN));
-}
-template <typename A>
-__device__ __forceinline__ A row_lse(A m, A l) {
-  return l > A(0) ? static_cast<A>((m + log2_acc(l)) * static_cast<A>(kLn2))
-                  : (l == A(0) ? neg_inf<A>() : static_cast<A>(NAN));
-}
-
 // ---------------------------------------------------------------------------------------------
 // Per-call constants every tile needs.
 
 template <typename T>
 struct DevCtx {
   using A = typename AccOf<T>::type;
-  A scale_log2;  // scale * log2(e)
-  A inv_keep;    // 1 / (1 - p)
+  A scale_log2;   // scale * log2(e)
+  A inv_keep;     // 1 / (1 - p)
+  A mask_lowest;  // lowest_finite(dtype): additive-mask entries at or below it mask the key
   int64_t shift;
   uint64_t seed, offset;
   bool dropout;
@@ -123,6 +74,7 @@ struct DevCtx {
   __device__ explicit DevCtx(const AttentionParams& p)
       : scale_log2(static_cast<A>(p.scale * kLog2e)),
         inv_keep(static_cast<A>(1.0 / (1.0 - p.dropout_p))),
+        mask_lowest(static_cast<A>(lowest_finite(p.dtype))),
         shift(causal_shift(p)),
         seed(p.seed),
         offset(p.offset),
@@ -138,16 +90,16 @@ struct DevCtx {
   __device__ __forceinline__ A logit(const AttentionParams& p, A s, int64_t i, int64_t j, bool valid,
                                      int64_t mask_base) const {
     if (!valid) return neg_inf<A>();
-    A x = s * scale_log2;
+    A x = scaled_logit(s, scale_log2);
     if (p.mask_kind == MaskKind::kAdditive) {
       const T* mask = static_cast<const T*>(p.mask.data);
-      const A mv = to_acc(mask[mask_base + i * p.mask.row_stride + j * p.mask.col_stride]);
-      x = mv <= Lowest<T>::value() ? neg_inf<A>() : x + mv * static_cast<A>(kLog2e);
+      x = with_additive_mask(x, to_acc(mask[mask_base + i * p.mask.row_stride + j * p.mask.col_stride]),
+                             mask_lowest);
     } else if (p.mask_kind == MaskKind::kBool) {
       const uint8_t* mask = static_cast<const uint8_t*>(p.mask.data);
       if (!mask[mask_base + i * p.mask.row_stride + j * p.mask.col_stride]) x = neg_inf<A>();
     }
-    if (p.causal != CausalKind::kNone && j > i + shift) x = neg_inf<A>();
+    if (p.causal != CausalKind::kNone && !causally_visible(i, j, shift)) x = neg_inf<A>();
     return x;
   }
 

@@ -1,6 +1,7 @@
 // Forward and attention-probability kernels for __half storage: the tensor-core forward
-// (tc_forward.cuh) for head dim 64/128, the generic SIMT path (simt.cuh) otherwise.
-#include "simt.cuh"
+// (tc_forward.cuh) for head dim 64/128, the generic SIMT path (simt_*.cuh) otherwise.
+#include "simt_forward.cuh"
+#include "simt_probabilities.cuh"
 #include "tc_forward.cuh"
 
 namespace attention_ext {

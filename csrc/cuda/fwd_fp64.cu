@@ -1,5 +1,6 @@
-// Forward and attention-probability kernels for double storage (generic SIMT path; see simt.cuh).
-#include "simt.cuh"
+// Forward and attention-probability kernels for double storage (generic SIMT path; see simt_common.cuh).
+#include "simt_forward.cuh"
+#include "simt_probabilities.cuh"
 
 namespace attention_ext {
 namespace cuda {

@@ -1,7 +1,7 @@
 // Tensor-core backward for float16 / bfloat16 with d_k == d_v == D in {64, 128}: the dK/dV and dQ
-// passes of simt.cuh on mma.sync.m16n8k16 (fp32 accumulate), with the same work ownership and
+// passes of simt_backward.cuh on mma.sync.m16n8k16 (fp32 accumulate), with the same work ownership and
 // summation order, and no atomics, so gradients are bitwise reproducible. The row-shift and delta
-// passes run before them and the mask-gradient pass after, as SIMT kernels (simt.cuh), exactly as
+// passes run before them and the mask-gradient pass after, as SIMT kernels (simt_backward.cuh), exactly as
 // in simt::launch_backward; P is rebuilt from the saved shift as 2^((s − shift_hi) − shift_lo).
 //
 // dK/dV: item = (K owner, key tile of 64 keys), warp w owning keys 16w..16w+15. K and V are staged
@@ -21,7 +21,7 @@
 // Memory traffic: dK/dV reads K, V once and Q, dO once per visible (query tile, key tile) pair;
 // dQ reads Q, dO once and K, V once per visible pair; each gradient is written once.
 #pragma once
-#include "simt.cuh"
+#include "simt_backward.cuh"
 #include "tc_common.cuh"
 
 namespace attention_ext {

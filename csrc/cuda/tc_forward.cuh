@@ -68,7 +68,7 @@ __device__ __forceinline__ void softmax_step(const AttentionParams& p, const Dev
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
     const float m_new = fmaxf(m_run[h], mx[h]);
-    alpha[h] = (m_new == ninf || m_run[h] == ninf) ? (m_new == ninf ? 1.0f : 0.0f) : exp2f(m_run[h] - m_new);
+    alpha[h] = rescale_factor(m_run[h], m_new);
     mx[h] = m_new;  // now the max used for P
   }
   float psum[2] = {0.0f, 0.0f};
@@ -79,7 +79,7 @@ __device__ __forceinline__ void softmax_step(const AttentionParams& p, const Dev
       const int h = e >> 1;
       // No visible key yet (max -inf): shift 0, so masked keys give 0 and NaN scores (which
       // fmaxf skips) give NaN, which reaches the row's sum and output, as on the CPU.
-      const float pv = exp2f(s[nt][e] - (mx[h] == ninf ? 0.0f : mx[h]));
+      const float pv = exp2f(s[nt][e] - softmax_shift(mx[h]));
       s[nt][e] = pv;
       psum[h] += pv;
     }
@@ -269,8 +269,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
 
 // Split-KV merge: one thread per (row, output column) merges the row's key ranges in range order,
 //   M = max_s m_s,  l = Σ_s l_s·2^(m_s − M),  O = Σ_s O_s·2^(m_s − M) / l,  lse = (M + log2 l)·ln 2,
-// as the CPU's forward_combine. A range that saw no visible key (m_s = -inf) holds zeros, or NaN
-// from NaN scores, which must reach the row: it enters with weight 0 (1 when no range saw one).
+// as the CPU's forward_combine, with merge_weight (attention_semantics.h).
 template <typename T>
 __global__ void __launch_bounds__(256) combine_kernel(const __grid_constant__ AttentionParams p, int64_t total) {
   const int64_t S = p.kv_splits, n = p.n, dv = p.dv;
@@ -284,8 +283,7 @@ __global__ void __launch_bounds__(256) combine_kernel(const __grid_constant__ At
     for (int64_t s = 0; s < S; ++s) mx = fmaxf(mx, stats[(s * n + i) * 2]);
     float sum = 0.0f, acc = 0.0f;
     for (int64_t s = 0; s < S; ++s) {
-      const float ms = stats[(s * n + i) * 2];
-      const float f = ms == ninf ? (mx == ninf ? 1.0f : 0.0f) : exp2f(ms - mx);
+      const float f = merge_weight(stats[(s * n + i) * 2], mx);
       sum += stats[(s * n + i) * 2 + 1] * f;
       acc += parts[(s * n + i) * dv + c] * f;
     }

@@ -11,7 +11,7 @@
 // ldmatrix: lane l gives the address of row l % 8 of matrix l / 8; register i receives, from
 // matrix i, row g, columns 2t, 2t + 1 (.trans: rows 2t, 2t + 1 of column g).
 //
-// In ATTN_CUDA_EMULATION builds every wrapper forwards to its host emulation (emulation.h), which
+// In ATTN_CUDA_EMULATION builds every wrapper forwards to its host emulation (../cuda_emulation/emulation.h), which
 // implements these layouts as exchanges between the 32 lanes of a warp, so the tensor-core kernels
 // run, and are tested, without a GPU.
 #pragma once

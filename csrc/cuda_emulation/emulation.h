@@ -1,4 +1,4 @@
-// A host emulation of the part of CUDA the kernels (simt.cuh, tc_*.cuh, dispatch.cu) use, so that
+// A host emulation of the part of CUDA the kernels (simt_*.cuh, tc_*.cuh, dispatch.cu) use, so that
 // their logic — tiling, masks, causal bounds, online softmax, dropout streams, the deterministic
 // backward passes, the tensor-core fragment layouts — runs and is tested on a machine without a
 // GPU (ATTENTION_EXT_CUDA_EMULATION=1 builds, .ci/cuda_emulation.sh). It checks what the kernels

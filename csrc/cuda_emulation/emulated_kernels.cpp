@@ -4,15 +4,15 @@
 #ifdef ATTN_CUDA_EMULATION
 #include "emulation.h"
 
-#include "dispatch.cu"
-#include "fwd_fp64.cu"
-#include "fwd_fp32.cu"
-#include "fwd_fp16.cu"
-#include "fwd_bf16.cu"
-#include "bwd_fp64.cu"
-#include "bwd_fp32.cu"
-#include "bwd_fp16.cu"
-#include "bwd_bf16.cu"
+#include "../cuda/dispatch.cu"
+#include "../cuda/fwd_fp64.cu"
+#include "../cuda/fwd_fp32.cu"
+#include "../cuda/fwd_fp16.cu"
+#include "../cuda/fwd_bf16.cu"
+#include "../cuda/bwd_fp64.cu"
+#include "../cuda/bwd_fp32.cu"
+#include "../cuda/bwd_fp16.cu"
+#include "../cuda/bwd_bf16.cu"
 
 // The runtime calls the launchers make, answered by the emulation (no CUDA runtime is linked).
 extern "C" {

@@ -1,0 +1,100 @@
+// SIMT row shift: item = (batch index, query tile): the exact softmax shift of rows whose lse is
+// too large in magnitude to rebuild P from (as the CPU's row_shift); run before the backward
+// passes and the probabilities. Tiles and helpers: simt_common.cuh.
+#pragma once
+#include "simt_common.cuh"
+
+namespace attention_ext {
+namespace cuda {
+namespace simt {
+
+// Softmax shift of each row (AttentionParams::shift_hi / shift_lo), as the CPU's row_shift:
+// shift_hi = lse·log2(e), shift_lo = 0, except for rows whose |lse·log2(e)| passes
+// needs_exact_shift (attention_geometry.h), where lse = max + log(sum) has rounded log(sum) away (e.g. −1e9
+// biases): there the exact row max and log2(sum) are recomputed from S in two passes over the
+// visible keys. item = (batch index, query tile); the recomputation runs only for tiles with
+// such a row (a CTA-uniform decision, since tile_dot synchronises the CTA).
+template <typename A>
+constexpr size_t row_shift_smem() {
+  return sizeof(A) * (kBM * kLdC + kBN * kLdC) + 16;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) row_shift_kernel(const __grid_constant__ AttentionParams p,
+                                                             int64_t total) {
+  using A = typename AccOf<T>::type;
+  ATTN_DYNAMIC_SHARED(smem_raw);
+  A* Qs = reinterpret_cast<A*>(smem_raw);
+  A* Ks = Qs + kBM * kLdC;
+  int* any_large = reinterpret_cast<int*>(Ks + kBN * kLdC);
+  const int tid = threadIdx.x, r = tid >> 3, g = tid & 7;
+  const DevCtx<T> ctx(p);
+  const int64_t n_qt = ceil_div(p.n, kBM);
+  const A ninf = neg_inf<A>();
+  for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
+    const int64_t qt = item % n_qt;
+    const int64_t b = item / n_qt;
+    int64_t idx[kMaxBatchDims];
+    unravel_batch(p, b, idx);
+    const int64_t i0 = qt * kBM;
+    const int64_t rows = imin(kBM, p.n - i0);
+    const int64_t i = i0 + r;
+    A* hi = static_cast<A*>(p.shift_hi.data) + batch_offset(p, p.shift_hi, idx);
+    A* lo = static_cast<A*>(p.shift_lo.data) + batch_offset(p, p.shift_lo, idx);
+    A l2 = ninf;
+    if (r < rows) l2 = static_cast<const A*>(p.lse.data)[batch_offset(p, p.lse, idx) + i * p.lse.row_stride] *
+                       static_cast<A>(kLog2e);
+    const bool large = r < rows && needs_exact_shift(l2);
+    if (r < rows && g == 0) {
+      hi[i * p.shift_hi.row_stride] = l2;
+      lo[i * p.shift_lo.row_stride] = A(0);
+    }
+    __syncthreads();  // the previous item is done with any_large
+    if (tid == 0) *any_large = 0;
+    __syncthreads();
+    if (large) *any_large = 1;
+    __syncthreads();
+    if (*any_large == 0) continue;
+
+    const T* q = static_cast<const T*>(p.q.data) + batch_offset(p, p.q, idx) + i0 * p.q.row_stride;
+    const T* k = static_cast<const T*>(p.k.data) + batch_offset(p, p.k, idx);
+    const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);
+    const int64_t key_end = visible_key_end(p, i0, rows);
+    A row_max = ninf, row_sum = A(0);
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int64_t j0 = 0; j0 < key_end; j0 += kBN) {
+        const int64_t cols = imin(kBN, p.m - j0);
+        A s[8];
+        tile_logits(s, p, ctx, Qs, Ks, q, i0, rows, k + j0 * p.k.row_stride, j0, cols, mask_base, r, g);
+        A part = pass == 0 ? ninf : A(0);
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+          if (pass == 0) part = fmax(part, s[t]);
+          else if (row_max != ninf) part += exp2_acc(s[t] - row_max);
+        }
+        if (pass == 0) row_max = fmax(row_max, row_max8(part));
+        else row_sum += row_sum8(part);
+      }
+    }
+    if (large && g == 0 && row_max != ninf && row_sum > A(0)) {
+      hi[i * p.shift_hi.row_stride] = row_max;
+      lo[i * p.shift_lo.row_stride] = log2_acc(row_sum);
+    }
+  }
+}
+
+template <typename T>
+cudaError_t launch_row_shift(const AttentionParams& p, cudaStream_t stream) {
+  using A = typename AccOf<T>::type;
+  const int64_t total = p.batch_numel * ceil_div(p.n, kBM);
+  if (total <= 0) return cudaSuccess;
+  constexpr size_t smem = row_shift_smem<A>();
+  cudaError_t err = prepare_smem(row_shift_kernel<T>, smem);
+  if (err != cudaSuccess) return err;
+  ATTN_LAUNCH(row_shift_kernel<T>, grid_for(total), kThreads, smem, stream)(p, total);
+  return cudaGetLastError();
+}
+
+}  // namespace simt
+}  // namespace cuda
+}  // namespace attention_ext
