@@ -4,7 +4,8 @@ demo (default): build info, the seed's worked example step by step, a gradcheck 
                 quick timing against torch's SDPA and the naive composition.
 check:          the correctness matrix on every available device and dtype; exits non-zero on
                 any failure.
-bench:          the benchmark (ours vs torch vs naive), markdown table and optional PNG plot.
+bench:          benchmarks/bench.py of the checkout this package belongs to (ours vs torch vs naive,
+                against the machine's measured peak), markdown table and optional PNG plot.
 """
 from __future__ import annotations
 
@@ -180,6 +181,25 @@ def check(args) -> int:
     return 1 if failures else 0
 
 
+def _load_benchmark():
+    """benchmarks/bench.py of the checkout this package was imported from (the benchmark is part of
+    the repository, not of the installed package)."""
+    import importlib.util
+    import os
+
+    from attention_ext._build import ROOT_DIR
+
+    path = os.path.join(ROOT_DIR, "benchmarks", "bench.py")
+    if not os.path.exists(path):
+        raise SystemExit("attention_ext: the benchmark is benchmarks/bench.py in the source repository, which this "
+                         f"installation ({os.path.dirname(attention_ext.__file__)}) does not include; run "
+                         "`python benchmarks/bench.py` in a checkout")
+    spec = importlib.util.spec_from_file_location("attention_ext_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m attention_ext", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -193,9 +213,7 @@ def main(argv=None) -> int:
     p_bench.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark (see --help)")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "bench":  # everything after 'bench' belongs to the benchmark's parser
-        from attention_ext import bench
-
-        return bench.main(argv[1:])
+        return _load_benchmark().main(argv[1:])
     args = parser.parse_args(argv)
     if args.command in (None, "demo"):
         return demo()

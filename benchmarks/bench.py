@@ -2,8 +2,12 @@
 """Benchmark: attention_ext vs torch SDPA vs a naive softmax(q k^T * scale) v composition, on the
 CPU and, when torch sees one, a CUDA GPU (--device).
 
-Run as `python -m attention_ext bench [options]` or `python benchmarks/bench_cpu.py [options]`.
-See benchmarks/README.md for the conventions; `--help` for options.
+Run as `python benchmarks/bench.py [options]` (or `python -m attention_ext bench [options]` from a
+checkout). It measures the machine it runs on first — the FMA peak with a compiled loop on every
+thread (the CPU kernels' own fma_probe), the streaming read bandwidth, an sgemm — and reports % of
+that peak and GB/s beside GFLOP/s and the ratios. See benchmarks/README.md for the conventions;
+`--help` for options. It imports whichever attention_ext Python finds (run it from the checkout
+root with an in-place build, or anywhere with an installed one).
 """
 from __future__ import annotations
 
@@ -17,16 +21,12 @@ import subprocess
 import sys
 import time
 
-# The directory holding the attention_ext package, for the memory-measuring child processes.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import attention_ext  # noqa: E402
+import attention_ext
 
 MIB = 1024.0 * 1024.0
-FMA_PEAK_NOTE_GFLOPS = 230.0  # nominal 2-thread AVX-512 FMA peak quoted for this machine (not measured)
 MEMCHECK_TARGET_MIB = 256.0
 
 # (B, H, n, m, d, causal, label)
@@ -202,6 +202,39 @@ def run_sweep(lengths, modes, dtype, reps, warmup, min_sample_s):
     return out
 
 
+def measure_fma_peak(reps=5, iterations=20_000_000):
+    """The CPU's float32 FMA peak in GFLOP/s on every torch thread at once (best of reps): the
+    active kernel variant's widest vectors in independent FMA chains (csrc/cpu/fma_probe.inc)."""
+    runs = [torch.ops.attention_ext.cpu_fma_peak_gflops(iterations) for _ in range(reps)]
+    return {"gflops": max(runs), "gflops_runs": runs, "threads": torch.get_num_threads(),
+            "variant": attention_ext.cpu_variant()}
+
+
+def measure_bandwidth(mib=512, reps=7):
+    """Streaming read bandwidth in GB/s (median of reps): torch's multithreaded sum over a float32
+    tensor far larger than the caches, which reads each byte once."""
+    x = torch.ones(int(mib * MIB) // 4, device=DEVICE)
+    x.sum()
+    ts = []
+    for _ in range(reps):
+        _sync()
+        t0 = time.perf_counter()
+        x.sum()
+        _sync()
+        ts.append(time.perf_counter() - t0)
+    return {"gbps": x.numel() * 4 / statistics.median(ts) / 1e9, "gbps_best": x.numel() * 4 / min(ts) / 1e9,
+            "mib": mib, "reps": reps}
+
+
+def mode_bytes(s, mode, dtype):
+    """Bytes a call must move at least: Q, K, V read and O written once (and dO, dQ, dK, dV for
+    fwd+bwd) — the bound that matters for decode, where each K/V byte is used for one query row."""
+    esz = torch.empty((), dtype=dtype).element_size()
+    B, H, n, m, d = s[:5]
+    once = B * H * (2 * n * d + 2 * m * d) * esz
+    return once * (3 if mode == "fwdbwd" else 1)
+
+
 def measure_sgemm_peak(n=None, reps=10):
     n = n or (8192 if DEVICE == "cuda" else 2048)
     a = torch.randn(n, n, device=DEVICE)
@@ -304,9 +337,11 @@ def run_mem_child(s, mode, dtype_name, cand, timeout=1800):
     if DEVICE == "cuda":
         return run_mem_cuda(s, mode, dtype_name, cand)
     spec = {"shape": list(s), "mode": mode, "dtype": dtype_name, "cand": cand}
+    # The child imports the same attention_ext as this process (the directory that holds it first).
     env = dict(os.environ)
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-m", "attention_ext.bench", "--_mem-child", json.dumps(spec)],
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(attention_ext.__file__)))
+    env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--_mem-child", json.dumps(spec)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     if p.returncode != 0:
         return {"error": (p.stderr or p.stdout).strip().splitlines()[-1:] or ["rc=%d" % p.returncode]}
@@ -357,10 +392,17 @@ def render_markdown(res):
         se = (f"; measured at the start ({pk['start_gflops_median']:.1f}) and at the end "
               f"({pk['end_gflops_median']:.1f}) of the run, the higher one is used")
     blas = "cuBLAS sgemm, TF32 off" if meta.get("device") == "cuda" else "MKL sgemm"
-    L.append(f"- fp32 peak reference: torch.mm {pk['n']}x{pk['n']} fp32 ({blas}) = **{pk['gflops_median']:.1f} GFLOP/s** "
-             f"(median of {pk['reps']}; best {pk['gflops_best']:.1f}{se})" +
-             (f"; nominal 2-thread AVX-512 FMA peak ~{FMA_PEAK_NOTE_GFLOPS:.0f} GFLOP/s (not measured)"
-              if meta.get("device", "cpu") == "cpu" else ""))
+    fma, bw = res.get("fma_peak"), res.get("bandwidth")
+    if fma:
+        L.append(f"- **measured FMA peak: {fma['gflops']:.1f} GFLOP/s** float32 on {fma['threads']} threads "
+                 f"(independent FMA chains in the `{fma['variant']}` variant's vectors, best of "
+                 f"{len(fma['gflops_runs'])}); `% peak` columns are against it")
+    if bw:
+        L.append(f"- **measured streaming read bandwidth: {bw['gbps']:.1f} GB/s** (sum over {bw['mib']} MiB, median "
+                 f"of {bw['reps']}; best {bw['gbps_best']:.1f}); `ours GB/s` counts Q, K, V read and O written once "
+                 f"(and dO, dQ, dK, dV for fwd+bwd)")
+    L.append(f"- sgemm reference: torch.mm {pk['n']}x{pk['n']} fp32 ({blas}) = **{pk['gflops_median']:.1f} GFLOP/s** "
+             f"(median of {pk['reps']}; best {pk['gflops_best']:.1f}{se})")
     over = any(v > 100.0 for r in res["rows"] for v in r["pct_sgemm"].values())
     busy = meta.get("device", "cpu") == "cpu" and float(meta["loadavg_before"].split()[0]) > 0.5
     if over or busy:
@@ -386,7 +428,9 @@ def render_markdown(res):
         if not rows:
             continue
         L.append(f"## {'forward' if mode == 'fwd' else 'forward + backward'}\n")
-        hdr = ["shape"] + [f"{c} ms" for c in cands] + [f"{c} GF/s" for c in cands] + ["ours % sgemm"]
+        hdr = ["shape"] + [f"{c} ms" for c in cands] + [f"{c} GF/s" for c in cands]
+        hdr += (["ours % peak", "torch % peak"] if res.get("fma_peak") else []) + ["ours % sgemm"]
+        hdr += ["ours GB/s"] + (["ours % bw"] if res.get("bandwidth") else [])
         hdr += ["ours/torch"] + (["ours/naive"] if "naive" in cands else [])
         have_mem = any(r.get("mem") for r in rows)
         if have_mem:
@@ -398,7 +442,12 @@ def render_markdown(res):
             cells = [r["shape_name"]]
             cells += [fmt(r["median_ms"].get(c), ".3f") for c in cands]
             cells += [fmt(r["gflops"].get(c), ".1f") for c in cands]
+            if res.get("fma_peak"):
+                cells += [fmt(r["pct_peak"].get(c), ".1f") for c in ("ours", "torch")]
             cells += [fmt(r["pct_sgemm"].get("ours"), ".1f")]
+            cells += [fmt(r.get("ours_gbps"), ".1f")]
+            if res.get("bandwidth"):
+                cells += [fmt(100.0 * r["ours_gbps"] / res["bandwidth"]["gbps"], ".0f")]
             cells += [fmt(r["ratio"].get("ours/torch"), ".2f")]
             if "naive" in cands:
                 cells += [fmt(r["ratio"].get("ours/naive"), ".2f")]
@@ -495,14 +544,20 @@ def make_plot(res, path):
 # main
 # ----------------------------------------------------------------------------------------------
 def cpu_name():
+    """The CPU as /proc/cpuinfo names it, with family/model and its widest vector ISA: the model
+    name alone ("AMD EPYC") does not tell a Zen 3 from a Zen 5."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+        return platform.processor() or "unknown CPU"
+    flags = fields.get("flags", "").split()
+    isa = next((name for name, flag in (("AVX-512", "avx512f"), ("AVX2", "avx2")) if flag in flags), "no AVX2")
+    return (f"{fields.get('model name', 'unknown CPU')} (family {fields.get('cpu family', '?')}, "
+            f"model {fields.get('model', '?')}, {isa}, {os.cpu_count()} logical CPUs)")
 
 
 def run_device(a, shapes, modes, cands, dtype, reps, min_sample_s, out_prefix):
@@ -520,10 +575,13 @@ def run_device(a, shapes, modes, cands, dtype, reps, min_sample_s, out_prefix):
         print(f"[bench] WARNING: 1-min load average is {os.getloadavg()[0]:.2f}; other processes compete for the "
               f"cores, so absolute numbers will be low and noisy (ratios from interleaved runs hold up better)",
               flush=True)
+    fma = measure_fma_peak() if DEVICE == "cpu" else None
+    bandwidth = measure_bandwidth()
     peak = measure_sgemm_peak()
-    print(f"[bench] fp32 peak reference (torch.mm {peak['n']}^2): {peak['gflops_median']:.1f} GFLOP/s "
-          f"(best {peak['gflops_best']:.1f})" + (f"; nominal CPU FMA peak ~{FMA_PEAK_NOTE_GFLOPS:.0f} GFLOP/s"
-                                                  if DEVICE == "cpu" else ""), flush=True)
+    print(f"[bench] machine: " + (f"FMA peak {fma['gflops']:.1f} GFLOP/s ({fma['threads']} threads, "
+                                  f"{fma['variant']}), " if fma else "") +
+          f"streaming read {bandwidth['gbps']:.1f} GB/s, torch.mm {peak['n']}^2 fp32 {peak['gflops_median']:.1f} "
+          f"GFLOP/s (best {peak['gflops_best']:.1f})", flush=True)
 
     rows = []
     for s in shapes:
@@ -540,6 +598,8 @@ def run_device(a, shapes, modes, cands, dtype, reps, min_sample_s, out_prefix):
                    "spread_pct": max(100.0 * (max(samples[c]) - min(samples[c])) / med[c] for c in cands),
                    "gflops": {c: fl / med[c] / 1e9 for c in cands},
                    "pct_sgemm": {c: 100.0 * fl / med[c] / 1e9 / peak["gflops_median"] for c in cands},
+                   "pct_peak": {c: 100.0 * fl / med[c] / 1e9 / fma["gflops"] for c in cands} if fma else {},
+                   "ours_gbps": mode_bytes(s, mode, dtype) / med["ours"] / 1e9,
                    "ratio": {}, "paired_ratio_median": {}}
             for other in cands[1:]:
                 row["ratio"][f"ours/{other}"] = med[other] / med["ours"]
@@ -564,7 +624,7 @@ def run_device(a, shapes, modes, cands, dtype, reps, min_sample_s, out_prefix):
     for row in rows:
         row["pct_sgemm"] = {c: 100.0 * row["gflops"][c] / peak["gflops_median"] for c in cands}
 
-    res = {"meta": meta, "sgemm_peak": peak, "fma_peak_note_gflops": FMA_PEAK_NOTE_GFLOPS, "rows": rows}
+    res = {"meta": meta, "sgemm_peak": peak, "fma_peak": fma, "bandwidth": bandwidth, "rows": rows}
     if sweep:
         res["sweep"] = sweep
     if not a.no_memory:
