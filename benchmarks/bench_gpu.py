@@ -9,26 +9,34 @@ tensor-core peak of 989 TFLOP/s. Writes a markdown table and JSON (to --out PREF
 $OUT/results_gpu when OUT is set) with, per row, every backend's time and ours' speed ratio to it
 (> 1: ours is faster), and a target summary.
 
-  python benchmarks/bench_gpu.py                      # everything (about a minute on an H200)
-  python benchmarks/bench_gpu.py --dtypes bfloat16 --modes fwd --d 128
-  python benchmarks/bench_gpu.py --device cpu --dry-run  # tiny shapes on the CPU: checks the script
+Rows run tensor-core dtypes (fp16, bf16) first whatever the order given, so a run stopped by
+--budget-s still has them, and both files are rewritten after every row (meta.status: "in
+progress", "complete", or "stopped by --budget-s"). The JSON also records which sources were measured: the commit,
+the csrc/ tree (git rev-parse HEAD:csrc), whether csrc/ has uncommitted changes, and the digest of
+the csrc/ files (the one setup.py records in the build it makes).
+
+The script imports whichever attention_ext Python finds; it does not add the checkout to sys.path.
+To measure a checkout's in-place build, run it from the checkout root with the root on PYTHONPATH
+(tests/gpu_check.sh does this); an installed attention_ext needs nothing:
+
+  PYTHONPATH=. python benchmarks/bench_gpu.py            # everything: 96 rows
+  PYTHONPATH=. python benchmarks/bench_gpu.py --dtypes bfloat16 --modes fwd --d 128
+  PYTHONPATH=. python benchmarks/bench_gpu.py --device cpu --dry-run  # tiny CPU shapes: checks the script
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import attention_ext  # noqa: E402
+import attention_ext
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense fp16/bf16 tensor-core peak
 SHAPES = [(16, 1024), (8, 2048), (4, 4096), (2, 8192)]
@@ -39,6 +47,9 @@ TARGETS = {("float16", "fwd"): ("flash", 1.0), ("float16", "bwd"): ("flash", 0.8
            ("bfloat16", "fwd"): ("flash", 1.0), ("bfloat16", "bwd"): ("flash", 0.8),
            ("float32", "fwd"): ("efficient", 1.0), ("float32", "bwd"): ("efficient", 1.0)}
 MATH_MAX_N = 2048  # the math backend materialises (B, H, n, n) scores: skipped above this
+# Dtypes the tensor-core kernels serve: their rows run first (the targets that matter most).
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")
+DTYPES = ("float16", "bfloat16", "float32")  # those with a target (float64 has no fast path to race)
 
 
 def sdpa_backend(name):
@@ -104,50 +115,61 @@ def flops(b, h, n, d, causal, mode):
     return fwd if mode == "fwd" else 2.5 * fwd
 
 
-def run(args):
-    device = args.device
-    dtypes = args.dtypes.split(",")
-    modes = args.modes.split(",")
-    ds = [int(x) for x in args.d.split(",")]
+def dtype_order(names):
+    """The dtypes to run, tensor-core ones first, each once, otherwise in the order given."""
+    unique = list(dict.fromkeys(names))
+    return [n for n in unique if n in TENSOR_CORE_DTYPES] + [n for n in unique if n not in TENSOR_CORE_DTYPES]
+
+
+def plan(args):
+    """Every row's (dtype, mode, d, B, n, causal), in the order they run."""
     shapes = SHAPES if not args.dry_run else [(2, 64), (1, 128)]
+    return [(dtype, mode, d, b, n, causal)
+            for dtype in dtype_order(args.dtypes.split(","))
+            for mode in args.modes.split(",")
+            for d in (int(x) for x in args.d.split(","))
+            for b, n in shapes
+            for causal in (False, True)]
+
+
+def run(args, on_row=None):
+    """Measures the planned rows until --budget-s is spent; on_row(rows, skipped) after each row."""
+    device = args.device
     hidden = HIDDEN if not args.dry_run else 128
     timer = Timer(device)
     warmup, reps = (1, 2) if args.dry_run else (args.warmup, args.reps)
     rows, t_start, skipped = [], time.time(), 0
-    for dtype_name in dtypes:
+    for dtype_name, mode, d, b, n, causal in plan(args):
+        if time.time() - t_start > args.budget_s:
+            skipped += 1
+            continue
         dtype = getattr(torch, dtype_name)
-        for mode in modes:
-            for d in ds:
-                for b, n in shapes:
-                    for causal in (False, True):
-                        if time.time() - t_start > args.budget_s:
-                            skipped += 1
-                            continue
-                        h = hidden // d
-                        torch.manual_seed(0)
-                        q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=(mode == "bwd"))
-                                   for _ in range(3))
-                        row = {"dtype": dtype_name, "mode": mode, "B": b, "H": h, "n": n, "d": d, "causal": causal,
-                               "ms": {}, "error": {}}
-                        for name in ["ours"] + BACKENDS:
-                            if name == "math" and n > MATH_MAX_N:
-                                row["error"][name] = f"skipped (n > {MATH_MAX_N})"
-                                continue
-                            try:
-                                row["ms"][name] = time_candidate(name, q, k, v, causal, mode, timer, warmup, reps)
-                            except RuntimeError as e:  # backend unavailable for this call, or out of memory
-                                row["error"][name] = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-                                if device == "cuda":
-                                    torch.cuda.empty_cache()
-                        ours = row["ms"].get("ours")
-                        if ours:
-                            row["tflops"] = flops(b, h, n, d, causal, mode) / (ours * 1e-3) / 1e12
-                            row["pct_peak"] = 100.0 * row["tflops"] / PEAK_TFLOPS
-                        row["ratio"] = {name: row["ms"][name] / ours for name in BACKENDS
-                                        if ours and name in row["ms"]}
-                        rows.append(row)
-                        print(format_row(row), flush=True)
-                        del q, k, v
+        h = hidden // d
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=(mode == "bwd"))
+                   for _ in range(3))
+        row = {"dtype": dtype_name, "mode": mode, "B": b, "H": h, "n": n, "d": d, "causal": causal,
+               "ms": {}, "error": {}}
+        for name in ["ours"] + BACKENDS:
+            if name == "math" and n > MATH_MAX_N:
+                row["error"][name] = f"skipped (n > {MATH_MAX_N})"
+                continue
+            try:
+                row["ms"][name] = time_candidate(name, q, k, v, causal, mode, timer, warmup, reps)
+            except RuntimeError as e:  # backend unavailable for this call, or out of memory
+                row["error"][name] = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+        ours = row["ms"].get("ours")
+        if ours:
+            row["tflops"] = flops(b, h, n, d, causal, mode) / (ours * 1e-3) / 1e12
+            row["pct_peak"] = 100.0 * row["tflops"] / PEAK_TFLOPS
+        row["ratio"] = {name: row["ms"][name] / ours for name in BACKENDS if ours and name in row["ms"]}
+        rows.append(row)
+        print(format_row(row), flush=True)
+        del q, k, v
+        if on_row is not None:
+            on_row(rows, skipped)
     return rows, skipped
 
 
@@ -174,11 +196,76 @@ def targets(rows):
     return out
 
 
+def sources():
+    """Which sources were measured: the commit, csrc/ tree (git rev-parse HEAD:csrc), whether csrc/
+    has uncommitted changes, and the digest of csrc/ of the checkout this script is in (None where
+    git or csrc/ is missing), and the csrc/ digest recorded by the build attention_ext loaded:
+    equal digests mean the numbers are those of this checkout's kernels."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", "-C", root, *cmd], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    def git_out(*cmd):
+        proc = git(*cmd)
+        return proc.stdout.strip() if proc is not None and proc.returncode == 0 else None
+
+    def csrc_uncommitted_changes():
+        """csrc/ against HEAD's, by read-only commands (`git diff` would rewrite the index)."""
+        listing = git_out("ls-tree", "-r", "HEAD", "--", "csrc")  # "mode type blob\tpath" lines
+        tracked = git_out("ls-files", "--", "csrc")
+        untracked = git_out("ls-files", "--others", "--exclude-standard", "--", "csrc")
+        if listing is None or tracked is None or untracked is None:
+            return None
+        committed = {}  # path -> blob id
+        for line in listing.splitlines():
+            meta, path = line.split("\t", 1)
+            committed[path] = meta.split()[2]
+        if set(committed) != set(tracked.splitlines()) | set(untracked.splitlines()):
+            return True
+        paths = sorted(committed)
+        if not all(os.path.isfile(os.path.join(root, p)) for p in paths):
+            return True
+        try:
+            hashed = subprocess.run(["git", "-C", root, "hash-object", "--stdin-paths"], input="\n".join(paths),
+                                    capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return hashed.returncode != 0 or hashed.stdout.split() != [committed[p] for p in paths]
+
+    commit = git_out("rev-parse", "HEAD")
+    dirty = csrc_uncommitted_changes() if commit is not None else None
+    csrc = os.path.join(root, "csrc")
+    build = attention_ext._build
+    try:
+        build_digest = build._build_config(build.compiled_ops_dir()).get("CSRC_DIGEST")
+    except ImportError:  # ops loaded some other way (ATTENTION_EXT_JIT=1): nothing recorded
+        build_digest = None
+    return {"commit": commit, "csrc_tree": git_out("rev-parse", "HEAD:csrc") if commit else None,
+            "csrc_uncommitted_changes": dirty,
+            "csrc_digest": build.source_digest(csrc) if os.path.isdir(csrc) else None,
+            "build_csrc_digest": build_digest}
+
+
+def _replace(path, text):
+    """Writes path whole or not at all (a run killed mid-write leaves the previous version)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def write(prefix, rows, summary, meta):
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    with open(prefix + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows, "targets": summary}, f, indent=1)
+    _replace(prefix + ".json", json.dumps({"meta": meta, "rows": rows, "targets": summary}, indent=1))
+    src = {k: "unknown" if v is None else v for k, v in meta["sources"].items()}
+    changes = ", with uncommitted changes in csrc/" if src["csrc_uncommitted_changes"] is True else ""
     lines = [f"# GPU benchmark: {meta['device_name']}, torch {meta['torch']}", "",
+             f"Status: {meta['status']} ({len(rows)} of {meta['rows_planned']} rows). Sources: commit "
+             f"{src['commit']}, csrc/ tree {src['csrc_tree']}{changes}; csrc/ digest {src['csrc_digest'][:16]}, "
+             f"the build's {src['build_csrc_digest'][:16]}.", "",
              f"Command: `{meta['command']}`. Median of {meta['reps']} CUDA-event timings after {meta['warmup']} "
              f"warm-up calls. Ratio = torch backend time / ours (> 1: ours faster). TFLOP/s: 4·B·H·n²·d forward "
              f"(½ causal), 2.5x for the backward; % of the {PEAK_TFLOPS:.0f} TFLOP/s dense bf16/fp16 peak.", "",
@@ -200,14 +287,14 @@ def write(prefix, rows, summary, meta):
         lines += ["", "## Not measured", ""]
         lines += [f"- {r['dtype']} {r['mode']} B={r['B']} n={r['n']} d={r['d']} causal={int(r['causal'])}: "
                   f"{name}: {msg}" for r, name, msg in errors]
-    with open(prefix + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    _replace(prefix + ".md", "\n".join(lines) + "\n")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--dtypes", default="float16,bfloat16,float32")
+    ap.add_argument("--dtypes", default="float16,bfloat16,float32",
+                    help=f"comma-separated, of {', '.join(DTYPES)}; fp16/bf16 rows run first whatever the order")
     ap.add_argument("--modes", default="fwd,bwd")
     ap.add_argument("--d", default="64,128", help="head dims (H = 2048 / d)")
     ap.add_argument("--reps", type=int, default=10)
@@ -217,10 +304,30 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="PREFIX for PREFIX.md / PREFIX.json (default $OUT/results_gpu)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes, 2 reps: checks the script, not speed")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.dtypes.split(",")) - set(DTYPES))
+    if unknown:
+        ap.error(f"--dtypes: {', '.join(unknown)} not among {', '.join(DTYPES)}")
+    unknown = sorted(set(args.modes.split(",")) - {"fwd", "bwd"})
+    if unknown:
+        ap.error(f"--modes: {', '.join(unknown)} not among fwd, bwd")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device (use --device cpu --dry-run to check the script)")
     out = args.out or (os.path.join(os.environ["OUT"], "results_gpu") if os.environ.get("OUT") else None)
-    rows, skipped = run(args)
+    planned = len(plan(args))
+    meta = {"device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (dry run)",
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "reps": 2 if args.dry_run else args.reps, "warmup": 1 if args.dry_run else args.warmup,
+            "command": "python benchmarks/bench_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "build": attention_ext.build_info(), "sources": sources(), "rows_planned": planned,
+            "status": "in progress", "skipped_rows": 0}
+
+    def save(rows, skipped, status):
+        if out:
+            meta.update(status=status, skipped_rows=skipped)
+            write(out, rows, targets(rows), meta)
+
+    # After every row: a run cut short (budget, crash, the GPU session's end) keeps what it measured.
+    rows, skipped = run(args, on_row=lambda rows, skipped: save(rows, skipped, "in progress"))
     summary = targets(rows)
     for t in summary:
         print(f"target {t['dtype']} {t['mode']} vs {t['against']} >= {t['target']}x: worst {t['worst_ratio']:.2f}x "
@@ -228,12 +335,7 @@ def main(argv=None):
     if skipped:
         print(f"{skipped} rows skipped: --budget-s {args.budget_s:g} reached")
     if out:
-        meta = {"device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (dry run)",
-                "torch": torch.__version__, "cuda": torch.version.cuda,
-                "reps": 2 if args.dry_run else args.reps, "warmup": 1 if args.dry_run else args.warmup,
-                "command": "python benchmarks/bench_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "build": attention_ext.build_info(), "skipped_rows": skipped}
-        write(out, rows, summary, meta)
+        save(rows, skipped, f"stopped by --budget-s {args.budget_s:g}" if skipped else "complete")
         print(f"wrote {out}.md and {out}.json")
     return 0 if rows and all("ours" in r["ms"] for r in rows) else 1
 
