@@ -38,3 +38,37 @@ def test_gpu_benchmark_dry_run_writes_every_row_and_the_targets(tmp_path):
     assert all("efficient" in r["error"] or "efficient" in r["ms"] for r in rows)
     md = (tmp_path / "results_gpu.md").read_text()
     assert "## Targets" in md and "| float32 | fwd |" in md
+
+
+@pytest.mark.slow_on_emulation
+def test_benchmark_measures_the_machine_and_reports_percent_of_its_peak(tmp_path):
+    # One tiny shape, forward only: the point is the harness (machine measurements, table, JSON).
+    prefix = tmp_path / "results"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--shapes", "1x2x64x64x16",
+                           "--mode", "fwd", "--reps", "1", "--warmup", "1", "--min-sample-ms", "1", "--no-sweep",
+                           "--no-memory", "--no-naive", "--out", str(prefix)],
+                          capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["fma_peak"]["gflops"] > 0 and result["bandwidth"]["gbps"] > 0
+    assert result["fma_peak"]["variant"] == attention_ext.cpu_variant()
+    (row,) = result["rows"]
+    assert row["pct_peak"]["ours"] == pytest.approx(100.0 * row["gflops"]["ours"] / result["fma_peak"]["gflops"])
+    md = (tmp_path / "results.md").read_text()
+    assert "measured FMA peak" in md and "ours % peak" in md and "family" in result["meta"]["cpu"]
+
+
+def test_cpu_fma_peak_probe_counts_its_flops():
+    # The probe is timed by the op; a second, longer run must take longer, not report the same time.
+    import time
+
+    import torch
+    t0 = time.perf_counter()
+    torch.ops.attention_ext.cpu_fma_peak_gflops(2_000_000)
+    short = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    gflops = torch.ops.attention_ext.cpu_fma_peak_gflops(20_000_000)
+    long = time.perf_counter() - t0
+    assert gflops > 0 and long > 3 * short
+    with pytest.raises(RuntimeError, match="iterations must be positive"):
+        torch.ops.attention_ext.cpu_fma_peak_gflops(0)
