@@ -2,7 +2,11 @@
 # The CUDA kernels (SIMT and tensor-core), compiled by the host compiler and run on CPU tensors by the emulation in
 # csrc/cuda_emulation/emulation.h (every CUDA thread a fiber; __syncthreads, warp shuffles, mma.sync and ldmatrix as barriers),
 # against the test suite: the kernels' semantics checked without a GPU. Tests of the CPU kernels'
-# own machinery (ISA variants, decode path, schedules) are marked cpu_kernels and skipped there.
+# own machinery (ISA variants, decode path, schedules) are marked cpu_kernels and skipped there;
+# the largest CUDA tests are marked slow_on_emulation or run smaller instances there.
+# ATTENTION_EXT_CUDA_EMULATION=1 stays exported for pytest: tests/conftest.py then refuses to start
+# on any build but the emulation one, and test_cuda.py / test_tensor_core.py check per test that
+# their op calls went to the CUDA binding.
 # The build happens in a scratch copy of the tree so the regular in-place build is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +20,7 @@ cd "$work"
 
 export ATTENTION_EXT_CUDA_EMULATION=1 FORCE_CPU=1
 MAX_JOBS="${MAX_JOBS:-2}" python setup.py build_ext --inplace > build.log 2>&1 || { tail -50 build.log; exit 1; }
+# This copy's build, not an installed one (conftest.py checks only that it is an emulation build).
 python -c "import attention_ext, sys; info = attention_ext.build_info(); \
   sys.exit(0 if info['cuda_emulation'] == '1' and attention_ext.__file__.startswith('$work') \
   else 'not the emulation build: ' + attention_ext.__file__)"

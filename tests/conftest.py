@@ -7,9 +7,12 @@ that precision (k = 2 forward, 4 for gradients), plus a small absolute floor.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
+from torch.utils import _pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attention_ext
 from attention_ext.reference import attention_reference
@@ -30,6 +33,30 @@ def pytest_report_header(config):
 
 # A build whose CPU ops run the CUDA kernels on host threads (.ci/cuda_emulation.sh).
 CUDA_EMULATION = attention_ext.build_info().get("cuda_emulation") == "1"
+# The environment asks for that build (.ci/cuda_emulation.sh exports the flag setup.py reads for
+# the build and the test run): the session then refuses to start on any other build.
+EMULATION_REQUESTED = os.environ.get("ATTENTION_EXT_CUDA_EMULATION", "0").lower() in ("1", "true", "yes", "on")
+
+# Where the tests of the CUDA kernels put their tensors: the CPU in the emulation build (whose CUDA
+# binding is registered for CPU tensors), else a CUDA device if there is one, else None.
+CUDA_KERNELS_DEVICE = "cpu" if CUDA_EMULATION else ("cuda" if torch.cuda.is_available() else None)
+
+OPS = ("attention_fwd", "attention_bwd", "attention_probs", "dropout_keep_mask")
+# The source file of the CUDA binding (its TORCH_LIBRARY_IMPL block), as the dispatcher records it.
+CUDA_BINDING_SOURCE = "cuda/attention_cuda.cpp"
+
+
+def kernel_source(op, dispatch_key):
+    """The source file of the kernel registered for attention_ext::<op> under `dispatch_key` ("CPU",
+    "CUDA"), from the dispatcher's own registration record; None if there is none."""
+    table = torch._C._dispatch_dump(f"attention_ext::{op}")
+    found = re.search(rf"^{dispatch_key}: registered at (\S+):\d+ ", table, re.MULTILINE)
+    return found.group(1).replace("\\", "/") if found else None
+
+
+def served_by_cuda_binding(op, dispatch_key):
+    source = kernel_source(op, dispatch_key)
+    return source is not None and source.endswith("/" + CUDA_BINDING_SOURCE)
 
 
 def cpu_variants():
@@ -44,6 +71,70 @@ def pytest_configure(config):
         "work schedules, scratch memory); skipped where the ops run the emulated CUDA kernels")
     config.addinivalue_line(
         "markers", "slow_on_emulation: too large for the CUDA emulation (one host fiber per CUDA thread)")
+    config.addinivalue_line(
+        "markers", "cuda_kernels: runs the CUDA kernels on CUDA_KERNELS_DEVICE; every attention_ext op call "
+        "on that device is recorded and must have gone to the CUDA binding, and there must be at least one")
+
+
+def pytest_sessionstart(session):
+    """Under ATTENTION_EXT_CUDA_EMULATION=1 a regular build would let the tests of the CUDA kernels
+    skip and the CPU kernels pass everything else: refuse to run on anything but the emulation build."""
+    if not EMULATION_REQUESTED:
+        return
+    info = attention_ext.build_info()
+    if info.get("cuda_emulation") != "1":
+        problem = (f"the loaded build ({info.get('loaded_from')}) is not one: build_info()['cuda_emulation'] "
+                   f"is {info.get('cuda_emulation')!r}")
+    else:
+        wrong = {op: kernel_source(op, "CPU") for op in OPS if not served_by_cuda_binding(op, "CPU")}
+        problem = "" if not wrong else (
+            "in the loaded build CPU tensors do not reach the CUDA binding: " +
+            ", ".join(f"attention_ext::{op} is served by {source}" for op, source in wrong.items()))
+    if problem:
+        pytest.exit(f"ATTENTION_EXT_CUDA_EMULATION=1 asks for the CUDA emulation build, but {problem}. "
+                    "Run .ci/cuda_emulation.sh, or pytest from the root of a tree built with that flag.",
+                    returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+class KernelCalls(TorchDispatchMode):
+    """Records every attention_ext op call under it (forward, backward, weights, dropout masks)
+    with the device types of its tensor arguments. The dispatcher picks the kernel by those, and
+    its registration record says which source registered that kernel: together, which binding
+    served each call. (Which kernel inside the CUDA binding — SIMT, tensor-core, split-KV — is not
+    recorded; the tests tell those apart by their results.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "attention_ext":
+            tensors = [t for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if tensors:
+                self.calls.append((func._opname, {t.device.type for t in tensors}))
+        return func(*args, **kwargs)
+
+    def check_cuda_kernels_ran(self, device_type):
+        """At least one call on `device_type`, and each of them dispatched to the CUDA binding."""
+        key = {"cpu": "CPU", "cuda": "CUDA"}[device_type]
+        on_device = sorted({op for op, devices in self.calls if device_type in devices})
+        assert on_device, (f"no attention_ext op ran on {device_type} tensors (calls: {self.calls}): "
+                           "this test does not exercise the CUDA kernels")
+        for op in on_device:
+            assert served_by_cuda_binding(op, key), (
+                f"attention_ext::{op} on {device_type} tensors went to the kernel registered in "
+                f"{kernel_source(op, key)}, not the CUDA binding")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    if item.get_closest_marker("cuda_kernels") is None:
+        return (yield)
+    with KernelCalls() as calls:
+        result = yield
+    calls.check_cuda_kernels_ran(CUDA_KERNELS_DEVICE)
+    return result
 
 
 def pytest_collection_modifyitems(config, items):

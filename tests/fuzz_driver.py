@@ -4,6 +4,9 @@
     python tests/fuzz_driver.py --seed 1 --iterations 2000 --log /tmp/fuzz.log
     python tests/fuzz_driver.py --seed 1 --start 1234 --iterations 1 --verbose   # replay call 1234
 
+It fuzzes whichever attention_ext Python imports (the installed one, or a checkout on PYTHONPATH;
+tests/test_fuzz.py passes the one the test process imported) and names it in its summary.
+
 Each call starts from a valid problem (random shapes, dtypes, layouts, masks) and applies 0 to 3
 random mutations — wrong types, dims, dtypes, mixed dtypes or devices, 'meta' tensors,
 non-broadcastable masks, NaN / inf / negative / zero / huge scales, out-of-range dropout, zero
@@ -21,7 +24,8 @@ arguments. A call passes if it
     (seed, offset) with draw_rng_state / dropout_mask. Where inputs require grad, gradients are
     compared with autograd through the reference too.
 A call the library accepts but the reference cannot compute (it raises) fails: the library
-should have raised. Non-finite tensor values are not generated (see tests/test_numerics.py).
+should have raised; a call with no mutation is valid, and fails if it raises anything at all.
+Non-finite tensor values are not generated (see tests/test_numerics.py).
 
 The last stdout line is a JSON summary; the exit status is 0 when every call passed, 1 if any
 failed (each failure is printed and logged as `FAIL <i> ...`).
@@ -42,12 +46,8 @@ from collections import Counter
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import attention_ext  # noqa: E402
-from attention_ext.reference import attention_reference, expand_gqa  # noqa: E402
+import attention_ext
+from attention_ext.reference import attention_reference, expand_gqa
 
 ops = torch.ops.attention_ext
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -874,6 +874,11 @@ def call_public(spec):
     return fn(*spec["args"], **spec["kwargs"])
 
 
+def is_valid(spec):
+    """No mutation was applied (an attention_bwd call records "none" for its unmutated inputs)."""
+    return all(m == "none" for m in spec["mutations"])
+
+
 def one_call(seed, i, inject, stats, verbose):
     r = random.Random(f"{seed}-{i}")
     g = torch.Generator().manual_seed(r.randrange(2 ** 62))
@@ -891,23 +896,29 @@ def one_call(seed, i, inject, stats, verbose):
     if inject == ("crash", i):
         os.abort()  # what a failed check or an uncaught C++ exception does (SIGABRT)
     raw = spec["fn"].startswith("op_")
+    if is_valid(spec):
+        stats["valid"] += 1
     torch.manual_seed(call_seed)
     try:
         result = call_raw(spec) if raw else call_public(spec)
-    except Exception as e:  # the library refused the call: fine if it says why, clearly
+    except Exception as e:  # the library refused the call: fine for an invalid one, if it says why
         stats["raised"] += 1
         stats[f"raised:{type(e).__name__}"] += 1
         if verbose:
             print(f"  raised {type(e).__name__}: {str(e)[:300]}")
-        if not isinstance(e, ALLOWED):
-            known = known_issue(spec)
-            if known is not None:  # e.g. the fake kernels' IndexError on a 1-d query
-                stats[f"known:{known}"] += 1
-                return []
-            return [f"raised {type(e).__name__} (not TypeError/ValueError/RuntimeError): {e}"]
-        if not str(e).strip():
-            return [f"raised {type(e).__name__} without a message"]
-        return []
+        if is_valid(spec):
+            problem = f"a valid call (no mutation) raised {type(e).__name__}: {e}"
+        elif not isinstance(e, ALLOWED):
+            problem = f"raised {type(e).__name__} (not TypeError/ValueError/RuntimeError): {e}"
+        elif not str(e).strip():
+            problem = f"raised {type(e).__name__} without a message"
+        else:
+            return []
+        known = known_issue(spec)
+        if known is not None:  # e.g. the fake kernels' IndexError on a 1-d query
+            stats[f"known:{known}"] += 1
+            return []
+        return [problem]
     stats["returned"] += 1
     stats[f"returned:{spec['fn']}"] += 1
     if inject is not None and inject[0] == "wrong" and inject[1] in (i, -1):
@@ -972,7 +983,8 @@ def main(argv=None):
             write_log(msg)
             print(msg, flush=True)
             failed.append(i)
-    summary = dict(seed=args.seed, start=args.start, iterations=args.iterations, failed=failed, **stats)
+    summary = dict(seed=args.seed, start=args.start, iterations=args.iterations, failed=failed,
+                   attention_ext_file=os.path.abspath(attention_ext.__file__), **stats)
     print(json.dumps(summary), flush=True)
     return 1 if failed else 0
 

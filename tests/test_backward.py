@@ -62,6 +62,8 @@ def test_low_precision_gradients(dtype):
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("shape", [(1, 4, 5, 3, 2), (2, 3, 3, 4, 4), (1, 6, 2, 1, 3)], ids=str)
 def test_gradcheck_float64(shape, causal):
+    # Tiny shapes (n <= 8 takes the decode forward on the CPU): test_gradcheck_paths.py checks
+    # each forward path and backward schedule at sizes that cross tile boundaries.
     b, n, m, dk, dv = shape
     q = rand(b, n, dk, requires_grad=True)
     k = rand(b, m, dk, requires_grad=True)

@@ -7,7 +7,7 @@ import torch
 import attention_ext
 from attention_ext.reference import attention_reference
 
-from conftest import ATOL, assert_close_to_reference, cpu_variants, rand
+from conftest import assert_close_to_reference, cpu_variants, rand
 
 F = torch.nn.functional
 
@@ -57,7 +57,23 @@ def test_matches_reference(shape, dtype, causal, cpu_variant):
     assert_close_to_reference(out, ref, dtype, budget)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
-    assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= max(ATOL[dtype], 1e-5) * 10 if finite.any() else True
+    assert_lse_close(lse[finite], ref_lse[finite], dtype)
+
+
+def assert_lse_close(lse, ref_lse, dtype):
+    """The lse is accumulated in float64 for float64 inputs and in float32 for every other storage
+    dtype, from the stored inputs themselves, so its error is the accumulation's: float64 to 1e-9,
+    else 2e-5 relative (fp32 sums over up to a few hundred terms), whatever the storage precision."""
+    if lse.numel() == 0:
+        return
+    err = (lse.double() - ref_lse).abs()
+    if dtype == torch.float64:
+        tol = torch.full_like(err, 1e-9)
+    else:
+        tol = 2e-5 * ref_lse.abs().clamp(min=1.0)
+    worst = (err - tol).argmax()
+    assert (err <= tol).all(), (f"lse: error {err.flatten()[worst]:.3e} > tolerance "
+                                f"{tol.flatten()[worst]:.3e} at lse {ref_lse.flatten()[worst]:.4f} ({dtype})")
 
 
 @pytest.mark.parametrize("scale", [None, 0.0, 0.125, -0.7, 3.0, torch.tensor(0.5)])

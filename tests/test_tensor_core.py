@@ -14,10 +14,13 @@ import torch
 import attention_ext
 from attention_ext.reference import attention_reference
 
-from conftest import ATOL, CUDA_EMULATION
+from conftest import ATOL, CUDA_KERNELS_DEVICE
 
-DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if CUDA_EMULATION else None)
-pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs a CUDA device or the CUDA emulation build")
+DEVICE = CUDA_KERNELS_DEVICE
+# Under ATTENTION_EXT_CUDA_EMULATION=1 conftest.py refuses a build other than the emulation one,
+# so this module cannot skip there; cuda_kernels checks that each test's calls reached the CUDA binding.
+pytestmark = [pytest.mark.skipif(DEVICE is None, reason="needs a CUDA device or the CUDA emulation build"),
+              pytest.mark.cuda_kernels]
 
 ops = torch.ops.attention_ext
 LOW = [torch.float16, torch.bfloat16]
