@@ -42,7 +42,7 @@ _build = _load_build_module()
 def torch_requirement():
     """The torch release this build is compiled against: C++ extensions are binary compatible only
     within one release (major.minor), so the wheel says so and pip brings or keeps a matching torch."""
-    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    major, minor = (int(x) for x in _build._minor(torch.__version__))
     return f"torch>={major}.{minor},<{major}.{minor + 1}"
 
 

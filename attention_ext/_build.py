@@ -47,7 +47,8 @@ def sources(kind: str, root: str = ROOT_DIR) -> list:
 def jit_sources():
     # The Python module init belongs to the prebuilt extension; the JIT library is loaded with
     # torch.ops.load_library instead.
-    return [os.path.join(ROOT_DIR, f) for f in sources("cpu") if f not in sources("pymodule")]
+    module_init = set(sources("pymodule"))
+    return [os.path.join(ROOT_DIR, f) for f in sources("cpu") if f not in module_init]
 
 
 def jit_build_dir() -> str:
@@ -66,12 +67,13 @@ def build_jit(verbose: bool = False) -> str:
         raise RuntimeError(
             f"ATTENTION_EXT_JIT=1 needs the source tree, but {SOURCE_DIR} does not exist; "
             "JIT mode works from a checkout (pip install -e . or PYTHONPATH=<checkout>)")
+    description = build_description()
     load(
         name="attention_ext_jit",
         sources=jit_sources(),
         extra_include_paths=[SOURCE_DIR],
-        extra_cflags=build_description()["cxxflags"],
-        extra_ldflags=build_description()["ldflags"],
+        extra_cflags=description["cxxflags"],
+        extra_ldflags=description["ldflags"],
         build_directory=jit_build_dir(),
         is_python_module=False,
         verbose=verbose,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._build import load_extension
-from ._constants import CAUSAL_CODES, FLOAT_DTYPES, lse_dtype, scale_overflows  # noqa: F401 (re-exported)
+from ._constants import CAUSAL_CODES, FLOAT_DTYPES, lse_dtype, scale_overflows
 
 load_extension()
 

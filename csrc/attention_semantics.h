@@ -69,12 +69,9 @@ ATTN_HD inline A with_additive_mask(A logit, A mask_value, A lowest) {
 }
 
 // Causal visibility (attention_geometry.h's causal_shift: 0 top-left, m − n bottom-right): key j
-// is visible to query i iff j <= i + shift. The tile loops use its two range forms below.
+// is visible to query i iff j <= i + shift. The tile loops use its range forms in
+// attention_geometry.h: visible_key_end (keys a row can see) and first_row_seeing.
 ATTN_HD inline bool causally_visible(int64_t i, int64_t j, int64_t shift) { return j <= i + shift; }
-// First key hidden from query i.
-ATTN_HD inline int64_t first_hidden_key(int64_t i, int64_t shift) { return i + shift + 1; }
-// First query that sees key j.
-ATTN_HD inline int64_t first_query_seeing(int64_t j, int64_t shift) { return j - shift; }
 
 // --- The online softmax and the row end -------------------------------------------------------
 
