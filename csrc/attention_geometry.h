@@ -95,14 +95,4 @@ ATTN_HD inline int64_t first_row_seeing(const AttentionParams& p, int64_t j0) {
   return imax(0, j0 - causal_shift(p));
 }
 
-// Whether a row's softmax shift must be recomputed exactly (AttentionParams::shift_hi): its
-// l2 = lse·log2(e) is so large in magnitude that lse = max + log(sum) no longer carries log(sum)
-// to full accuracy in the accumulation type A (ulp(2^8) = 3e-5 in float, ulp(2^20) = 2e-10 in
-// double). Fully masked rows (-inf) and NaN rows never are.
-template <typename A>
-ATTN_HD inline bool needs_exact_shift(A l2) {
-  const A threshold = sizeof(A) == 8 ? A(1048576.0) : A(256.0);
-  return (l2 > threshold || l2 < -threshold) && l2 != -static_cast<A>(INFINITY);
-}
-
 }  // namespace attention_ext

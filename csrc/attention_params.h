@@ -49,9 +49,9 @@ struct AttentionParams {
   TensorRef grad_lse;           // optional gradient flowing into lse (data == nullptr if none)
   TensorRef delta;              // backward scratch: rowsum(dO * O) - dlse, accumulator type
   // Backward / probabilities scratch, accumulator type, (batch..., n) each: P is rebuilt as
-  // 2^((s - shift_hi) - shift_lo) with s the log2-domain logit. Normally shift_hi = lse·log2(e)
-  // and shift_lo = 0; for rows whose lse is so large in magnitude that lse = max + log(sum)
-  // rounds away the log(sum) (e.g. -1e9 biases), the row max and log2(sum) are recomputed exactly.
+  // 2^((s - shift_hi) - shift_lo) with s the log2-domain logit: shift_hi + shift_lo is lse·log2(e)
+  // in two words or, for rows where the lse's rounding would show in P, the row max and log2(sum)
+  // recomputed from the row (attention_semantics.h, needs_exact_shift).
   TensorRef shift_hi, shift_lo;
   TensorRef grad_q, grad_k, grad_v;  // allocated with the inputs' own (unbroadcast) shapes
   TensorRef grad_mask;          // allocated with the mask's own shape; data == nullptr if unused

@@ -34,8 +34,6 @@ ATTN_HD inline A neg_inf() {
 
 ATTN_HD inline float exp2_acc(float x) { return exp2f(x); }
 ATTN_HD inline double exp2_acc(double x) { return exp2(x); }
-ATTN_HD inline float log2_acc(float x) { return log2f(x); }
-ATTN_HD inline double log2_acc(double x) { return log2(x); }
 
 // --- The logit pipeline -----------------------------------------------------------------------
 
@@ -98,10 +96,85 @@ template <typename A>
 ATTN_HD inline A inverse_row_sum(A l) {
   return l > A(0) ? A(1) / l : (l == A(0) ? A(0) : static_cast<A>(NAN));
 }
+// The natural-log lse of a row, rounded once: the sum m + log2(l) is formed in double even for a
+// float row (in float it would round twice, and |m| of a few hundred puts 1e-5 into the lse).
+ATTN_HD inline float row_lse(float m, float l) {
+  if (!(l > 0.0f)) return l == 0.0f ? neg_inf<float>() : static_cast<float>(NAN);
+  return static_cast<float>((static_cast<double>(m) + log2(static_cast<double>(l))) * kLn2);
+}
+ATTN_HD inline double row_lse(double m, double l) {
+  if (!(l > 0.0)) return l == 0.0 ? neg_inf<double>() : static_cast<double>(NAN);
+  return (m + log2(l)) * kLn2;
+}
+
+// --- The softmax shift of the backward and the probabilities ------------------------------------
+//
+// The backward and the probabilities rebuild P = 2^((s − hi) − lo) with s the log2-domain logit
+// and hi + lo = L = m + log2(l), the row's normaliser, carried in two accumulator-type words
+// (AttentionParams::shift_hi / shift_lo):
+//  * from the saved lse (shift_from_lse): hi + lo = lse·log2(e) with no rounding on top of the
+//    lse's own. That rounding, up to |lse|·2^-25 in float, lands in the exponent of every P of
+//    the row alike; so does whatever separates the forward's scores from the backward's;
+//  * recomputed from the row (shift_from_row) where that shows (needs_exact_shift): an online
+//    softmax over the visible keys with the backward's own logits gives m and l. P then sums to
+//    1 to rounding and the largest P of a row led by a few large logits is exact to an ulp or
+//    two, as in a softmax computed from the row itself. Through the lse, rows with |lse| of a few
+//    hundred (torch's OpInfo samples: values up to ±9) had dV 30 times and dQ/dK a few times
+//    less accurate than torch's.
+
 template <typename A>
-ATTN_HD inline A row_lse(A m, A l) {
-  return l > A(0) ? static_cast<A>((m + log2_acc(l)) * static_cast<A>(kLn2))
-                  : (l == A(0) ? neg_inf<A>() : static_cast<A>(NAN));
+struct RowShift {
+  A hi, lo;
+};
+
+// log2(e) − kLog2e: the part of log2(e) beyond the double nearest to it.
+constexpr double kLog2eTail = 2.0355273740931033e-17;
+
+// hi + lo = lse·log2(e). A non-finite lse (fully masked rows: −inf; NaN rows) gives (lse·log2(e), 0).
+ATTN_HD inline RowShift<float> shift_from_lse(float lse) {
+  const double x = static_cast<double>(lse) * kLog2e;  // exact to 2^-53: far below float's ulp
+  const float hi = static_cast<float>(x);
+  if (!isfinite(x)) return {hi, 0.0f};
+  return {hi, static_cast<float>(x - static_cast<double>(hi))};
+}
+ATTN_HD inline RowShift<double> shift_from_lse(double lse) {
+  const double hi = lse * kLog2e;
+  if (!isfinite(hi)) return {hi, 0.0};
+  // The product's rounding error, exactly (fma), and the part of log2(e) that kLog2e misses.
+  return {hi, fma(lse, kLog2e, -hi) + lse * kLog2eTail};
+}
+
+// hi + lo = m + log2(l) for a row's max m (log2 units) and sum l, both finite and l > 0: kept
+// apart, not summed (m may be ~1e30 beside a log2(l) of a few units), so that s − m is exact for
+// the keys near the max and lo ~ 0 on a row led by one key.
+ATTN_HD inline RowShift<float> shift_from_row(float m, float l) {
+  return {m, static_cast<float>(log2(static_cast<double>(l)))};
+}
+ATTN_HD inline RowShift<double> shift_from_row(double m, double l) { return {m, log2(l)}; }
+
+// Whether a row max and sum can give shift_from_row: a finite max and a positive finite sum
+// (not so for fully masked rows, NaN or infinite scores: their shift from the lse stays).
+template <typename A>
+ATTN_HD inline bool is_usable_row(A m, A l) {
+  return m > neg_inf<A>() && m < -neg_inf<A>() && l > A(0) && l < -neg_inf<A>();
+}
+
+// Whether a row's shift must be recomputed from the row, given hi = shift_from_lse(lse).hi.
+// Fully masked (−inf) and NaN rows never are.
+//  * float / double storage: from |hi| = 16 on, and always when forward_scores_differ (the
+//    forward summed q·k in another order than the backward, as the CPU decode forward does:
+//    its lse is then off by the scores' own rounding, about eps·Σ|q_c·k_c|·scale). Below 16 the
+//    lse's rounding puts at most 8·2^-24 (float) into the exponent of P, a few ulps; above it
+//    the error grows with |lse| and dominates dV, dK and dQ on rows led by a few large logits.
+//    16 keeps ordinary rows out of the pass: |hi| ~ log2(keys) + 0.7 for unit-variance logits,
+//    past 16 only beyond ~40k keys. The pass costs one score GEMM per tile pair.
+//  * 16-bit storage (fp16 / bf16; float accumulation): from |hi| = 256 on, where the lse has lost
+//    log2(l) to within 3e-5 (e.g. −1e9 biases); below it the stored output's own rounding (2^-11
+//    or 2^-8) dwarfs the lse's, and the pass would cost a score GEMM for nothing.
+ATTN_HD inline bool needs_exact_shift(double hi, bool narrow_storage, bool forward_scores_differ) {
+  if (!(hi == hi) || hi == neg_inf<double>()) return false;
+  const double threshold = narrow_storage ? 256.0 : 16.0;
+  return (!narrow_storage && forward_scores_differ) || hi > threshold || hi < -threshold;
 }
 
 // --- The lse merge ------------------------------------------------------------------------------

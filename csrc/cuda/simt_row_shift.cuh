@@ -1,6 +1,5 @@
-// SIMT row shift: item = (batch index, query tile): the exact softmax shift of rows whose lse is
-// too large in magnitude to rebuild P from (as the CPU's row_shift); run before the backward
-// passes and the probabilities. Tiles and helpers: simt_common.cuh.
+// SIMT row shift: item = (batch index, query tile): the softmax shift P is rebuilt with (as the
+// CPU's row_shift); run before the backward passes and the probabilities. Tiles and helpers: simt_common.cuh.
 #pragma once
 #include "simt_common.cuh"
 
@@ -8,12 +7,13 @@ namespace attention_ext {
 namespace cuda {
 namespace simt {
 
-// Softmax shift of each row (AttentionParams::shift_hi / shift_lo), as the CPU's row_shift:
-// shift_hi = lse·log2(e), shift_lo = 0, except for rows whose |lse·log2(e)| passes
-// needs_exact_shift (attention_geometry.h), where lse = max + log(sum) has rounded log(sum) away (e.g. −1e9
-// biases): there the exact row max and log2(sum) are recomputed from S in two passes over the
-// visible keys. item = (batch index, query tile); the recomputation runs only for tiles with
-// such a row (a CTA-uniform decision, since tile_dot synchronises the CTA).
+// Softmax shift of each row (AttentionParams::shift_hi / shift_lo) by the rules of
+// attention_semantics.h, as the CPU's row_shift: lse·log2(e) in two words, except for rows that
+// needs_exact_shift, where the row max and log2(sum) are recomputed from S in two passes over the
+// visible keys. The forward's scores come from the same tile_logits, so only the lse's own
+// rounding is at stake (forward_scores_differ = false). item = (batch index, query tile); the
+// recomputation runs only for tiles with such a row (a CTA-uniform decision, since tile_dot
+// synchronises the CTA).
 template <typename A>
 constexpr size_t row_shift_smem() {
   return sizeof(A) * (kBM * kLdC + kBN * kLdC) + 16;
@@ -41,13 +41,13 @@ __global__ void __launch_bounds__(kThreads) row_shift_kernel(const __grid_consta
     const int64_t i = i0 + r;
     A* hi = static_cast<A*>(p.shift_hi.data) + batch_offset(p, p.shift_hi, idx);
     A* lo = static_cast<A*>(p.shift_lo.data) + batch_offset(p, p.shift_lo, idx);
-    A l2 = ninf;
-    if (r < rows) l2 = static_cast<const A*>(p.lse.data)[batch_offset(p, p.lse, idx) + i * p.lse.row_stride] *
-                       static_cast<A>(kLog2e);
-    const bool large = r < rows && needs_exact_shift(l2);
+    RowShift<A> from_lse = {ninf, A(0)};
+    if (r < rows)
+      from_lse = shift_from_lse(static_cast<const A*>(p.lse.data)[batch_offset(p, p.lse, idx) + i * p.lse.row_stride]);
+    const bool large = r < rows && needs_exact_shift(from_lse.hi, sizeof(T) < sizeof(float), false);
     if (r < rows && g == 0) {
-      hi[i * p.shift_hi.row_stride] = l2;
-      lo[i * p.shift_lo.row_stride] = A(0);
+      hi[i * p.shift_hi.row_stride] = from_lse.hi;
+      lo[i * p.shift_lo.row_stride] = from_lse.lo;
     }
     __syncthreads();  // the previous item is done with any_large
     if (tid == 0) *any_large = 0;
@@ -76,9 +76,10 @@ __global__ void __launch_bounds__(kThreads) row_shift_kernel(const __grid_consta
         else row_sum += row_sum8(part);
       }
     }
-    if (large && g == 0 && row_max != ninf && row_sum > A(0)) {
-      hi[i * p.shift_hi.row_stride] = row_max;
-      lo[i * p.shift_lo.row_stride] = log2_acc(row_sum);
+    if (large && g == 0 && is_usable_row(row_max, row_sum)) {
+      const RowShift<A> exact = shift_from_row(row_max, row_sum);
+      hi[i * p.shift_hi.row_stride] = exact.hi;
+      lo[i * p.shift_lo.row_stride] = exact.lo;
     }
   }
 }
