@@ -1,4 +1,4 @@
-#include "attention_binding.h"
+#include "op_arguments.h"
 
 #include <c10/util/Exception.h>
 
@@ -151,29 +151,30 @@ AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, 
   return shape;
 }
 
-TensorRef make_ref(const at::Tensor& t, const std::vector<int64_t>& batch) {
+namespace {
+
+// A view of t whose last `tail_dims` dims are per-row / per-column and the rest batch dims,
+// aligned to the right of `batch`: stride 0 on missing and size-1 batch dims.
+TensorRef batch_view(const at::Tensor& t, const std::vector<int64_t>& batch, int64_t tail_dims) {
   TensorRef r;
   r.data = t.data_ptr();
   const int64_t nd = static_cast<int64_t>(batch.size());
-  const int64_t tnd = t.dim() - 2;
-  for (int64_t i = 0; i < tnd; ++i) {
-    const int64_t d = nd - tnd + i;
-    r.batch_stride[d] = t.size(i) == 1 ? 0 : t.stride(i);
-  }
+  const int64_t tnd = t.dim() - tail_dims;
+  for (int64_t i = 0; i < tnd; ++i) r.batch_stride[nd - tnd + i] = t.size(i) == 1 ? 0 : t.stride(i);
+  return r;
+}
+
+}  // namespace
+
+TensorRef make_ref(const at::Tensor& t, const std::vector<int64_t>& batch) {
+  TensorRef r = batch_view(t, batch, 2);
   r.row_stride = t.size(-2) == 1 ? 0 : t.stride(-2);
   r.col_stride = t.size(-1) == 1 ? 0 : t.stride(-1);
   return r;
 }
 
 TensorRef make_row_ref(const at::Tensor& t, const std::vector<int64_t>& batch) {
-  TensorRef r;
-  r.data = t.data_ptr();
-  const int64_t nd = static_cast<int64_t>(batch.size());
-  const int64_t tnd = t.dim() - 1;
-  for (int64_t i = 0; i < tnd; ++i) {
-    const int64_t d = nd - tnd + i;
-    r.batch_stride[d] = t.size(i) == 1 ? 0 : t.stride(i);
-  }
+  TensorRef r = batch_view(t, batch, 1);
   r.row_stride = t.size(-1) == 1 ? 0 : t.stride(-1);
   return r;
 }
@@ -305,6 +306,7 @@ std::pair<at::Tensor, at::Tensor> allocate_forward_outputs(const AttentionShape&
 }
 
 at::Tensor empty_value_for(const at::Tensor& key) {
+  check_float_tensor(key, "key");  // before key.sizes().back(): a 0-d key has no last dim
   std::vector<int64_t> v_shape(key.sizes().begin(), key.sizes().end());
   v_shape.back() = 0;
   return at::empty(v_shape, key.options());

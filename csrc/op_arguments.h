@@ -1,4 +1,4 @@
-// Torch-facing helpers shared by the CPU and CUDA bindings: argument checks and the translation
+// The ops' arguments, shared by the CPU and CUDA bindings: the argument checks and the translation
 // of tensors into AttentionParams. Every check names the tensor, what it got and what was
 // expected, because the ops are public (torch.ops.attention_ext.*) as well as used by Python.
 #pragma once

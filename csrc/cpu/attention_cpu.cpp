@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "../attention_binding.h"
+#include "../op_arguments.h"
 #include "../attention_geometry.h"
 #include "../philox.h"
 #include "cpu_dispatch.h"

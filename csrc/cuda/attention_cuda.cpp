@@ -16,7 +16,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
-#include "../attention_binding.h"
+#include "../op_arguments.h"
 #include "../philox.h"
 #include "kernels.h"
 

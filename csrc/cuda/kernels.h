@@ -1,5 +1,5 @@
 // Torch-free entry points of the CUDA attention kernels. Each takes the plain AttentionParams the
-// bindings build (csrc/attention_binding.h) and a stream, launches asynchronously and returns the
+// bindings build (csrc/op_arguments.h) and a stream, launches asynchronously and returns the
 // launch status (cudaGetLastError after the launches; no synchronisation, no host reads of device
 // memory: dropout reads (seed, offset) from p.rng_state_device inside the kernels).
 #pragma once
