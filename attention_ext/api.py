@@ -1,4 +1,6 @@
-"""Public entry points: argument validation and normalisation, then the autograd Function.
+"""Public entry points: argument validation and normalisation, then the autograd Function. The
+ops' own argument rules are _arguments.py's; this module adds the API's (Python types, CausalBias,
+enable_gqa, broadcasting, named causal kinds) and turns arguments into the ops' form.
 
 * `scaled_dot_product_attention` — drop-in for torch.nn.functional.scaled_dot_product_attention.
 * `attention` — keyword-only extended API (bottom-right causal, return_lse).
@@ -13,21 +15,16 @@ from typing import Optional
 
 import torch
 
-from ._constants import CAUSAL_CODES, FLOAT_DTYPES, lse_dtype, max_scale, scale_overflows
+from ._arguments import dropout_rules, enforce, mask_rules, qkv_rules, scale_rules
+from ._constants import CAUSAL_CODES
 from ._ops import ops
 from .function import AttentionFunction, AttentionWeightsFunction
 
 
-
 def _check_tensor(t, name):
+    """What the API asks of a tensor argument beyond the ops' rules (qkv_rules)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"attention_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"attention_ext: {name} must be float64, float32, float16 or bfloat16, got {t.dtype}")
-    if t.dim() < 2:
-        raise ValueError(
-            f"attention_ext: {name} must have at least 2 dims (..., length, head_dim), got shape {tuple(t.shape)}")
     if t.device.type not in ("cpu", "cuda", "meta"):
         raise NotImplementedError(f"attention_ext: {name} is on {t.device}; only CPU and CUDA tensors are supported")
 
@@ -36,26 +33,11 @@ def _check_qkv(query, key, value):
     _check_tensor(query, "query")
     _check_tensor(key, "key")
     _check_tensor(value, "value")
-    if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(
-            f"attention_ext: query, key and value must have the same dtype, got query {query.dtype}, "
-            f"key {key.dtype}, value {value.dtype}")
-    if not (query.device == key.device == value.device):
-        raise ValueError(
-            f"attention_ext: query, key and value must be on the same device, got query {query.device}, "
-            f"key {key.device}, value {value.device}")
+    qkv_rules(enforce, query, key, value)
     if query.device.type == "cuda" and not _has_cuda_kernels():
         raise NotImplementedError(
             "attention_ext: got CUDA tensors but this build has no CUDA kernels (build_info()['cuda'] is "
             "0); rebuild with a CUDA-enabled torch and nvcc available (FORCE_CUDA=1 to insist)")
-    if query.shape[-1] != key.shape[-1]:
-        raise ValueError(
-            f"attention_ext: query and key must have the same head dim (last dim), got query "
-            f"{tuple(query.shape)} and key {tuple(key.shape)}")
-    if key.shape[-2] != value.shape[-2]:
-        raise ValueError(
-            f"attention_ext: key and value must have the same length (dim -2), got key {tuple(key.shape)} "
-            f"and value {tuple(value.shape)}")
 
 
 def _has_cuda_kernels() -> bool:
@@ -102,12 +84,7 @@ def _check_scale(scale, key):
         raise ValueError("attention_ext: scale must be finite, got an integer too large for a float") from None
     if not math.isfinite(scale):
         raise ValueError(f"attention_ext: scale must be finite, got {scale}")
-    # The kernels hold the scale in their accumulation dtype (float32 for float32/float16/bfloat16
-    # inputs): a scale that is infinite there would turn every score into inf or NaN.
-    # (They work in log2 units: scale·log2(e) must be representable.)
-    if scale_overflows(scale, key.dtype):
-        raise ValueError(f"attention_ext: scale must be finite in the {lse_dtype(key.dtype)} accumulation of "
-                         f"{key.dtype} inputs (|scale| <= {max_scale(key.dtype):.4g}), got {scale}")
+    scale_rules(enforce, scale, key.dtype)
     return scale
 
 
@@ -118,8 +95,7 @@ def _check_dropout(dropout_p):
         dropout_p = float(dropout_p)
     except OverflowError:  # an int beyond float range
         raise ValueError("attention_ext: dropout_p must be in [0, 1), got an integer too large for a float") from None
-    if not (0.0 <= dropout_p < 1.0):
-        raise ValueError(f"attention_ext: dropout_p must be in [0, 1), got {dropout_p}")
+    dropout_rules(enforce, dropout_p)
     return dropout_p
 
 
@@ -168,11 +144,7 @@ def _check_mask(attn_mask, query, batch, n, m):
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attention_ext: attn_mask must be a torch.Tensor, a CausalBias or None, got "
                         f"{type(attn_mask).__name__}")
-    if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
-        raise TypeError(
-            f"attention_ext: attn_mask must be bool or have the query's dtype ({query.dtype}), got {attn_mask.dtype}")
-    if attn_mask.device != query.device:
-        raise ValueError(f"attention_ext: attn_mask must be on {query.device}, got {attn_mask.device}")
+    mask_rules(enforce, attn_mask, query)
     target = (*batch, n, m)
     ok = attn_mask.dim() <= len(target) and all(
         s == 1 or s == t for s, t in zip(reversed(attn_mask.shape), reversed(target)))

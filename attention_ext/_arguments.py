@@ -1,0 +1,112 @@
+"""The rules the ops' arguments must follow, written once for Python: the public API (api.py)
+enforces them with TypeError / ValueError before it calls an op, and the ops' fake kernels
+(_ops.py) with torch._check, so that a call traced by torch.compile, or run on meta tensors, is
+refused exactly when the compiled kernels (csrc/op_arguments.cpp, which checks the same rules for
+direct torch.ops calls) would refuse it.
+
+Each rule is one call check(holds, error type, message): `holds` may be a symbolic bool under
+torch.compile (torch._check then turns it into a runtime assertion instead of a guard), and the
+message is a callable, built only when the rule fails. `check` raises at the first rule that
+fails, so a rule is only evaluated once the ones before it hold (the head-dim rule reads
+shape[-1] only after the at-least-2-dims rule). `enforce` and `check_traced` are the two checks;
+a call that passes costs about a microsecond per ten rules (decode-sized calls notice more).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ._constants import CAUSAL_CODES, FLOAT_DTYPES, lse_dtype, max_scale, scale_overflows
+
+PREFIX = "attention_ext: "
+
+
+Check = Callable[[object, type, Callable[[], str]], None]
+
+
+def tensor_rules(check: Check, t: torch.Tensor, name: str) -> None:
+    """A query, key or value tensor: a supported float dtype and at least (length, head_dim)."""
+    check(t.dtype in FLOAT_DTYPES, TypeError,
+          lambda: f"{name} must be float64, float32, float16 or bfloat16, got {t.dtype}")
+    check(t.dim() >= 2, ValueError,
+          lambda: f"{name} must have at least 2 dims (..., length, head_dim), got shape {tuple(t.shape)}")
+
+
+def qkv_rules(check: Check, query, key, value=None) -> None:
+    """query, key and (unless None: attention_probs) value, each and together."""
+    tensor_rules(check, query, "query")
+    tensor_rules(check, key, "key")
+    if value is not None:
+        tensor_rules(check, value, "value")
+    check(query.dtype == key.dtype and (value is None or value.dtype == query.dtype), TypeError,
+          lambda: "query, key and value must have the same dtype, got " + _listed("dtype", query, key, value))
+    check(query.device == key.device and (value is None or value.device == query.device), ValueError,
+          lambda: "query, key and value must be on the same device, got " + _listed("device", query, key, value))
+    check(query.shape[-1] == key.shape[-1], ValueError,
+          lambda: f"query and key must have the same head dim (last dim), got query {tuple(query.shape)} "
+          f"and key {tuple(key.shape)}")
+    if value is not None:
+        check(key.shape[-2] == value.shape[-2], ValueError,
+              lambda: f"key and value must have the same length (dim -2), got key {tuple(key.shape)} "
+              f"and value {tuple(value.shape)}")
+
+
+def _listed(attribute, query, key, value):
+    named = (("query", query), ("key", key)) + ((("value", value),) if value is not None else ())
+    return ", ".join(f"{name} {getattr(t, attribute)}" for name, t in named)
+
+
+def scale_rules(check: Check, scale: float, dtype: torch.dtype) -> None:
+    """The kernels hold scale·log2(e) in the accumulation dtype (float32 for float32, float16 and
+    bfloat16 inputs): a scale that is infinite there would turn every score into inf or NaN."""
+    check(not scale_overflows(scale, dtype), ValueError,
+          lambda: f"scale must be finite in the {lse_dtype(dtype)} accumulation of {dtype} inputs "
+          f"(|scale| <= {max_scale(dtype):.4g}), got {scale}")
+
+
+def dropout_rules(check: Check, dropout_p: float) -> None:
+    check(0.0 <= dropout_p < 1.0, ValueError, lambda: f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def rng_state_rules(check: Check, rng_state, device) -> None:
+    """The (seed, offset) pair dropout draws from."""
+    check(rng_state is not None, ValueError, lambda: "dropout_p > 0 needs an rng_state tensor")
+    check(rng_state.dtype == torch.int64 and rng_state.numel() == 2, TypeError,
+          lambda: f"rng_state must be an int64 tensor of 2 elements (seed, offset), got {rng_state.dtype} "
+          f"of shape {tuple(rng_state.shape)}")
+    check(rng_state.device == device, ValueError, lambda: f"rng_state must be on {device}, got {rng_state.device}")
+
+
+def mask_rules(check: Check, attn_mask: torch.Tensor, query: torch.Tensor) -> None:
+    """A boolean mask (True: the key takes part) or an additive one in the query's dtype."""
+    check(attn_mask.dtype == torch.bool or attn_mask.dtype == query.dtype, TypeError,
+          lambda: f"attn_mask must be bool or have the query's dtype ({query.dtype}), got {attn_mask.dtype}")
+    check(attn_mask.device == query.device, ValueError,
+          lambda: f"attn_mask must be on {query.device}, got {attn_mask.device}")
+
+
+def op_rules(check: Check, query, key, value, attn_mask, scale, causal, dropout_p, rng_state) -> None:
+    """Every rule of one op call (attention_fwd / attention_bwd / attention_probs; value None for
+    the last), with causal as the ops take it: an integer code."""
+    qkv_rules(check, query, key, value)
+    scale_rules(check, scale, query.dtype)
+    check(causal in CAUSAL_CODES.values(), ValueError,
+          lambda: f"causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got {causal}")
+    dropout_rules(check, dropout_p)
+    if dropout_p > 0.0:
+        rng_state_rules(check, rng_state, query.device)
+    if attn_mask is not None:
+        mask_rules(check, attn_mask, query)
+
+
+def enforce(holds, error: type, message: Callable[[], str]) -> None:
+    """The public API's check: a rule that fails raises its own error type."""
+    if not holds:
+        raise error(PREFIX + message())
+
+
+def check_traced(holds, error: type, message: Callable[[], str]) -> None:
+    """The fake kernels' check: torch._check, a RuntimeError like the C++ TORCH_CHECK, and with
+    symbolic shapes a runtime assertion instead of a guard."""
+    torch._check(holds, lambda: PREFIX + message())
