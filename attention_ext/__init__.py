@@ -4,6 +4,7 @@
     out = attention_ext.scaled_dot_product_attention(q, k, v, is_causal=True)   # drop-in
     out, lse = attention_ext.attention(q, k, v, causal="bottom_right", return_lse=True)
     w = attention_ext.attention_weights(q, k)
+    out = attention_ext.flash_attn_func(q, k, v, causal=True)   # FlashAttention 2's API, (B, S, H, D)
 
 The same fused kernels serve float64/float32/float16/bfloat16 on CPU (and CUDA where built),
 forward and backward, so gradcheck exercises the fast code itself.
@@ -23,6 +24,7 @@ from .api import (
     scaled_dot_product_attention,
 )
 from ._version import __version__
+from .flash import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from .reference import attention_reference
 
 __all__ = [
@@ -32,6 +34,9 @@ __all__ = [
     "dropout_mask",
     "draw_rng_state",
     "attention_reference",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
     "build_info",
     "cpu_variant",
     "set_cpu_variant",
@@ -53,7 +58,7 @@ def build_info() -> dict:
 
 
 def cpu_variant() -> str:
-    """The CPU kernel variant in use: 'avx512', 'avx2' or 'generic'."""
+    """The CPU kernel variant in use: 'avx512bf16', 'avx512', 'avx2' or 'generic'."""
     return torch.ops.attention_ext.cpu_variant()
 
 

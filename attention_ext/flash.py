@@ -1,0 +1,125 @@
+"""FlashAttention 2's Python API on the fused kernels: code written for `flash_attn` runs here
+unchanged, on CPU and CUDA, in float64/float32/float16/bfloat16, with gradients.
+
+Same names, argument names, defaults, layouts and semantics as flash_attn.flash_attn_interface:
+q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, kv_heads, head_dim) with heads a
+multiple of kv_heads (MQA/GQA, no copy of K/V); `causal` aligns query i with key i + seqlen_k −
+seqlen_q (bottom-right, as FlashAttention 2.1 and later); softmax_lse is (batch, heads, seqlen_q),
+float32 (float64 for float64 inputs); a query row that sees no key gives output 0 and lse −inf.
+
+What differs, on purpose:
+  * any head dim and any dtype of the four, on the CPU too; results are deterministic whatever
+    `deterministic` says (it is accepted for compatibility);
+  * with return_attn_probs=True the third result is the exact attention probabilities
+    (batch, heads, seqlen_q, seqlen_k) (FlashAttention returns a debugging tensor there);
+  * dropout draws from torch's generator for the device with this package's counter-based
+    RNG, so the dropped entries differ from FlashAttention's (attention_ext.dropout_mask
+    reproduces them).
+
+Not supported yet (a clear NotImplementedError, never a silent fallback): sliding windows other
+than the causal one (window_size (-1, 0)), softcap, alibi_slopes, and the variable-length
+functions (flash_attn_varlen_*).
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .api import attention, attention_weights
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"]
+
+
+def _check_layout(q, k, v):
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention_ext.flash: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"attention_ext.flash: {name} must be (batch, seqlen, heads, head_dim), got shape "
+                             f"{tuple(t.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"attention_ext.flash: k and v must have the same (batch, seqlen_k, kv_heads), got k "
+                         f"{tuple(k.shape)} and v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"attention_ext.flash: q and k must have the same batch size, got q {tuple(q.shape)} and "
+                         f"k {tuple(k.shape)}")
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"attention_ext.flash: the number of heads in q ({heads}) must be a multiple of the number "
+                         f"in k and v ({kv_heads})")
+
+
+def _causal_from(causal, window_size):
+    """FlashAttention's causal / window_size pair as this package's causal kind. causal=True is
+    window (-1, 0); (-1, -1) is no window."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"attention_ext.flash: causal must be a bool, got {type(causal).__name__}")
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError(f"attention_ext.flash: window_size must be a pair of ints (left, right), got "
+                        f"{window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"attention_ext.flash: window_size values must be -1 (unbounded) or >= 0, got "
+                         f"{(left, right)}")
+    if causal:
+        right = 0  # as FlashAttention: causal overrides the right edge
+    if (left, right) == (-1, -1):
+        return None
+    if (left, right) == (-1, 0):
+        return "bottom_right"
+    raise NotImplementedError(
+        f"attention_ext.flash: sliding windows (window_size={(left, right)}, causal={causal}) are not supported "
+        "yet; window_size=(-1, -1) and causal=True / window_size=(-1, 0) are")
+
+
+def _check_unsupported(softcap, alibi_slopes):
+    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool):
+        raise TypeError(f"attention_ext.flash: softcap must be a float, got {type(softcap).__name__}")
+    if softcap != 0.0:
+        raise NotImplementedError(f"attention_ext.flash: softcap={softcap} is not supported yet (only 0.0)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("attention_ext.flash: alibi_slopes are not supported yet (only None)")
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """FlashAttention 2's flash_attn_func (see the module docstring). Returns out
+    (batch, seqlen_q, heads, head_dim_v), or with return_attn_probs=True (out, softmax_lse,
+    probabilities)."""
+    _check_layout(q, k, v)
+    causal_kind = _causal_from(causal, window_size)
+    _check_unsupported(softcap, alibi_slopes)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"attention_ext.flash: deterministic must be a bool, got {type(deterministic).__name__}")
+    gqa = q.shape[2] != k.shape[2]
+    # (batch, seqlen, heads, dim) -> (batch, heads, seqlen, dim): views; the kernels take strides.
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    out, lse = attention(qh, kh, vh, causal=causal_kind, scale=softmax_scale, dropout_p=dropout_p, enable_gqa=gqa,
+                         return_lse=True)
+    out = out.transpose(1, 2)
+    if not return_attn_probs:
+        return out
+    probs = attention_weights(qh, kh, causal=causal_kind, scale=softmax_scale, enable_gqa=gqa)
+    return out, lse, probs
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func with k and v packed: kv (batch, seqlen_k, 2, kv_heads, head_dim)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError("attention_ext.flash: kv must be a (batch, seqlen_k, 2, kv_heads, head_dim) tensor, got "
+                         + (f"shape {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv).__name__))
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func with q, k and v packed: qkv (batch, seqlen, 3, heads, head_dim)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError("attention_ext.flash: qkv must be a (batch, seqlen, 3, heads, head_dim) tensor, got "
+                         + (f"shape {tuple(qkv.shape)}" if isinstance(qkv, torch.Tensor) else type(qkv).__name__))
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                           softcap, alibi_slopes, deterministic, return_attn_probs)

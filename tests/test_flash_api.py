@@ -1,0 +1,179 @@
+"""FlashAttention 2's API (attention_ext.flash_attn_func and its packed forms): the same
+signature and semantics as flash_attn.flash_attn_interface, on the fused kernels.
+
+Semantics pinned here: (batch, seqlen, heads, head_dim) layout; heads a multiple of kv_heads
+(MQA/GQA); causal aligns query i with key i + seqlen_k − seqlen_q (bottom-right); softmax_lse
+(batch, heads, seqlen_q); a row that sees no key gives output 0 and lse −inf; the arguments not
+supported yet raise NotImplementedError instead of being ignored.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+import attention_ext
+from attention_ext import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+# (rtol, atol) of each dtype against the float64 reference.
+TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def reference(q, k, v, causal=False, scale=None):
+    """float64, FlashAttention's definition written out: (out, lse) in its layouts."""
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        sq, sk = q.shape[-2], k.shape[-2]
+        i = torch.arange(sq).unsqueeze(-1)
+        j = torch.arange(sk)
+        s = s.masked_fill(j > i + sk - sq, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: 0
+    return (p @ v).transpose(1, 2), lse
+
+
+def make(batch, sq, sk, heads, kv_heads, d, dtype, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, sq, heads, d, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, sk, kv_heads, d, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, sk, kv_heads, d, generator=g, dtype=torch.float64)
+    return [t.to(dtype).requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def test_the_signature_is_flash_attentions():
+    expected = ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes",
+                "deterministic", "return_attn_probs"]
+    params = inspect.signature(flash_attn_func).parameters
+    assert list(params) == expected
+    defaults = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+    assert defaults == {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
+                        "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "return_attn_probs": False}
+    assert list(inspect.signature(flash_attn_qkvpacked_func).parameters)[0] == "qkv"
+    assert list(inspect.signature(flash_attn_kvpacked_func).parameters)[:2] == ["q", "kv"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", [(37, 37), (13, 70), (70, 13)], ids=["square", "fewer_queries", "more_queries"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("d", [32, 80])
+def test_forward_and_gradients_match_the_reference(dtype, causal, sq, sk, heads, kv_heads, d):
+    q, k, v = make(2, sq, sk, heads, kv_heads, d, dtype, requires_grad=True)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = reference(q64, k64, v64, causal=causal)
+    rtol, atol = TOL[dtype]
+    assert out.shape == (2, sq, heads, d) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref_out, rtol=rtol, atol=atol)
+    assert lse.shape == (2, heads, sq)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=rtol, atol=atol)
+
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
+    want = torch.autograd.grad(ref_out, (q64, k64, v64), grad)
+    for name, a, b in zip("qkv", got, want):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a.double(), b, rtol=4 * rtol, atol=4 * atol, msg=lambda m: f"d{name}: {m}")
+
+
+def test_gradcheck_in_float64_through_the_fused_kernels():
+    q, k, v = make(1, 5, 7, 4, 2, 6, torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: flash_attn_func(q, k, v, causal=True), (q, k, v))
+    assert torch.autograd.gradgradcheck(lambda q, k, v: flash_attn_func(q, k, v), (q, k, v))
+
+
+def test_rows_that_see_no_key_give_zero_and_minus_infinite_lse():
+    # causal with more queries than keys: query i sees keys j <= i + sk - sq, none for i < sq - sk.
+    q, k, v = make(1, 6, 2, 2, 2, 8, torch.float32)
+    out, lse, probs = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.all(out[:, :4] == 0) and torch.all(lse[:, :, :4] == -math.inf)
+    assert torch.all(probs[:, :, :4] == 0)
+    assert torch.isfinite(lse[:, :, 4:]).all()
+
+
+def test_attn_probs_are_the_exact_softmax():
+    q, k, v = make(2, 9, 11, 4, 2, 16, torch.float64)
+    out, lse, probs = flash_attn_func(q, k, v, causal=True, softmax_scale=0.3, return_attn_probs=True)
+    assert probs.shape == (2, 4, 9, 11)
+    ref_out, ref_lse = reference(q, k, v, causal=True, scale=0.3)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4, 9, dtype=torch.float64))
+    vg = v.transpose(1, 2).repeat_interleave(2, dim=1)
+    torch.testing.assert_close((probs @ vg).transpose(1, 2), out)
+
+
+def test_causal_is_window_minus_one_zero_and_no_window_is_minus_one_minus_one():
+    q, k, v = make(1, 7, 9, 2, 2, 8, torch.float64)
+    torch.testing.assert_close(flash_attn_func(q, k, v, window_size=(-1, 0)), flash_attn_func(q, k, v, causal=True))
+    torch.testing.assert_close(flash_attn_func(q, k, v, window_size=[-1, -1]), flash_attn_func(q, k, v))
+    torch.testing.assert_close(flash_attn_func(q, k, v, causal=True, window_size=(-1, -1)),
+                               flash_attn_func(q, k, v, causal=True))
+
+
+def test_packed_forms_equal_the_unpacked_call():
+    q, k, v = make(2, 10, 10, 4, 4, 8, torch.float64)
+    qkv = torch.stack([q, k, v], dim=2)
+    kv = torch.stack([k, v], dim=2)
+    want = flash_attn_func(q, k, v, causal=True)
+    torch.testing.assert_close(flash_attn_qkvpacked_func(qkv, causal=True), want)
+    torch.testing.assert_close(flash_attn_kvpacked_func(q, kv, causal=True), want)
+
+
+def test_dropout_is_reproducible_from_the_generator_and_deterministic_is_accepted():
+    q, k, v = make(1, 8, 8, 2, 2, 8, torch.float32)
+    torch.manual_seed(3)
+    a = flash_attn_func(q, k, v, dropout_p=0.5, deterministic=True)
+    torch.manual_seed(3)
+    b = flash_attn_func(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, flash_attn_func(q, k, v))
+
+
+def test_compiles_fullgraph():
+    q, k, v = make(1, 8, 12, 4, 2, 16, torch.float32)
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v), flash_attn_func(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"window_size": (4, 0)}, NotImplementedError, r"sliding windows .* not supported yet"),
+    ({"window_size": (-1, 3)}, NotImplementedError, r"sliding windows .* not supported yet"),
+    ({"window_size": (-2, 0)}, ValueError, r"window_size values must be -1 \(unbounded\) or >= 0"),
+    ({"window_size": 5}, TypeError, r"window_size must be a pair of ints"),
+    ({"softcap": 30.0}, NotImplementedError, r"softcap=30.0 is not supported yet"),
+    ({"alibi_slopes": torch.ones(2)}, NotImplementedError, r"alibi_slopes are not supported yet"),
+    ({"causal": 1}, TypeError, r"causal must be a bool"),
+])
+def test_arguments_not_supported_yet_raise_instead_of_being_ignored(kwargs, error, match):
+    q, k, v = make(1, 4, 4, 2, 2, 8, torch.float32)
+    with pytest.raises(error, match=match):
+        flash_attn_func(q, k, v, **kwargs)
+
+
+def test_bad_layouts_are_named():
+    q, k, v = make(1, 4, 4, 3, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"heads in q \(3\) must be a multiple of the number in k and v \(2\)"):
+        flash_attn_func(q, k, v)
+    q, k, v = make(1, 4, 4, 2, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"q must be \(batch, seqlen, heads, head_dim\), got shape \(4, 2, 8\)"):
+        flash_attn_func(q[0], k, v)
+    with pytest.raises(ValueError, match=r"k and v must have the same \(batch, seqlen_k, kv_heads\)"):
+        flash_attn_func(q, k, v[:, :3])
+    with pytest.raises(ValueError, match=r"qkv must be a \(batch, seqlen, 3, heads, head_dim\) tensor"):
+        flash_attn_qkvpacked_func(q)
+    with pytest.raises(TypeError, match=r"query, key and value must have the same dtype"):
+        flash_attn_func(q, k.double(), v)
+
+
+def test_exported_from_the_package_and_the_flash_module():
+    import attention_ext.flash as flash
+
+    assert attention_ext.flash_attn_func is flash.flash_attn_func
+    assert {"flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"} <= set(attention_ext.__all__)
