@@ -19,9 +19,36 @@ import inspect
 
 import torch
 
+try:
+    from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
+except ImportError:  # pragma: no cover - torch without it has no dead wrappers to unwrap
+    def _unwrap_dead_wrappers(args):
+        return args
+
 from ._constants import CAUSAL_NAMES, lse_dtype
 from ._ops import ops
 from .reference import masked_scores, softmax_lse
+
+
+def _below_autograd():
+    """Inside a Function's forward (and a backward that keeps no graph) the op's own autograd
+    kernel (torch.library.register_autograd, Python) has nothing to record: calling the op below
+    the autograd keys skips it, tens of microseconds on a small call."""
+    return torch._C._AutoDispatchBelowADInplaceOrView()
+
+
+class _PositionalApply:
+    """torch.autograd.Function.apply binds the arguments against inspect.signature(forward) on
+    every call when setup_context is defined (to fill in defaults); with every argument given
+    positionally and no functorch transform active that binding returns them unchanged, so this
+    apply goes straight to the C++ autograd.Function machinery (as torch's apply then does)."""
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        if kwargs or len(args) != cls._arity or torch._C._are_functorch_transforms_active():
+            return super().apply(*args, **kwargs)
+        args = _unwrap_dead_wrappers(args)
+        return super(torch.autograd.Function, cls).apply(*args)
 
 
 def keep_scale(rng_state, batch_shape, n, m, dropout_p, dtype):
@@ -57,16 +84,18 @@ def _backward(ctx, grad_out, grad_lse):
     if torch.is_grad_enabled():  # create_graph=True: keep the graph for double backward
         dq, dk, dv, dmask = AttentionBackward.apply(*args)
     else:
-        dq, dk, dv, dmask = ops.attention_bwd(*args)
+        with _below_autograd():
+            dq, dk, dv, dmask = ops.attention_bwd(*args)
     return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None
 
 
-class AttentionFunction(torch.autograd.Function):
+class AttentionFunction(_PositionalApply, torch.autograd.Function):
     """(query, key, value, attn_mask, scale, causal, dropout_p, rng_state) -> (out, lse)."""
 
     @staticmethod
     def forward(query, key, value, attn_mask, scale, causal, dropout_p, rng_state):
-        return ops.attention_fwd(query, key, value, attn_mask, scale, causal, dropout_p, rng_state)
+        with _below_autograd():
+            return ops.attention_fwd(query, key, value, attn_mask, scale, causal, dropout_p, rng_state)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -192,13 +221,14 @@ def attention_backward_composite(grad_out, grad_lse, query, key, value, attn_mas
     return dq.sum_to_size(query.shape), dk.sum_to_size(key.shape), dv.sum_to_size(value.shape), dmask
 
 
-class AttentionBackward(torch.autograd.Function):
+class AttentionBackward(_PositionalApply, torch.autograd.Function):
     """The fused backward as a differentiable function (its own backward is the composition)."""
 
     @staticmethod
     def forward(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal, dropout_p,
                 rng_state, mask_grad):
-        return ops.attention_bwd(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
+        with _below_autograd():
+            return ops.attention_bwd(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
                                  dropout_p, rng_state, mask_grad)
 
     @staticmethod
@@ -294,12 +324,13 @@ def _weights_tangent(query, key, w, query_t, key_t, mask_t, scale):
     return (ws - w * ws.sum(-1, keepdim=True)).expand_as(w).contiguous()
 
 
-class AttentionWeightsFunction(torch.autograd.Function):
+class AttentionWeightsFunction(_PositionalApply, torch.autograd.Function):
     """(query, key, attn_mask, scale, causal) -> exact attention probabilities W."""
 
     @staticmethod
     def forward(query, key, attn_mask, scale, causal):
-        return ops.attention_probs(query, key, attn_mask, scale, causal)
+        with _below_autograd():
+            return ops.attention_probs(query, key, attn_mask, scale, causal)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -324,10 +355,10 @@ class AttentionWeightsFunction(torch.autograd.Function):
 torch.library.register_autograd("attention_ext::attention_probs", _probs_backward,
                                 setup_context=_probs_setup_context)
 
-# torch.autograd.Function.apply binds the arguments against inspect.signature(forward) on every
-# call when setup_context is defined; computing that signature is most of this package's per-call
-# Python overhead. A function's __signature__ is what inspect.signature returns, so compute each
-# once.
+# torch's apply (the fallback of _PositionalApply: keywords, missing arguments, functorch) binds
+# the arguments against inspect.signature(forward); a function's __signature__ is what that
+# returns, so compute each once.
 for _fn in (AttentionFunction, AttentionBackward, AttentionWeightsFunction):
     _fn.forward.__signature__ = inspect.signature(_fn.forward)
+    _fn._arity = len(_fn.forward.__signature__.parameters)
 del _fn
