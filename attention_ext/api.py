@@ -18,7 +18,9 @@ import torch
 from ._arguments import dropout_rules, enforce, mask_rules, qkv_rules, scale_rules
 from ._constants import CAUSAL_CODES
 from ._ops import ops
-from .function import AttentionFunction, AttentionWeightsFunction
+from .function import AttentionFunction, AttentionWeightsFunction, _below_autograd
+
+import torch.autograd.forward_ad as _forward_ad  # noqa: E402  (its _current_level: an open dual level)
 
 
 def _check_tensor(t, name):
@@ -107,6 +109,8 @@ def _check_causal(causal):
 
 def _causal_bias_kind(attn_mask):
     """torch.nn.attention.bias.CausalBias objects -> causal kind, else None."""
+    if attn_mask is None or type(attn_mask) is torch.Tensor:  # the common cases, without the import
+        return None
     try:
         from torch.nn.attention.bias import CausalBias, CausalVariant
     except ImportError:  # pragma: no cover - torch without the bias module
@@ -191,6 +195,15 @@ def _apply_gqa(query, key, value, attn_mask):
     return query, key, value, attn_mask, hq
 
 
+def _needs_autograd(*tensors) -> bool:
+    """Whether a call must go through the autograd Function: an input requires grad (with grad
+    mode on), a forward-mode AD level is open (inputs may carry tangents), or a functorch
+    transform is active (vmap, grad, jvp: they need the Function's rules)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return True
+    return _forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+
+
 def draw_rng_state(device="cpu") -> torch.Tensor:
     """The (seed, offset) int64 pair a call with dropout draws from torch's generator for the
     device, so torch.manual_seed replays dropout. After torch.manual_seed(s), this returns exactly
@@ -219,8 +232,8 @@ def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa):
     query, key, value, attn_mask, scale, dropout_p, heads = _prepare(
         query, key, value, attn_mask, scale, dropout_p, enable_gqa)
     # The kernels own dK/dV per key position, so K and V must broadcast alike: expand (a view).
-    kv_batch = _broadcast_shapes(key.shape[:-2], value.shape[:-2])
-    if key.shape[:-2] != kv_batch or value.shape[:-2] != kv_batch:
+    if key.shape[:-2] != value.shape[:-2]:
+        kv_batch = _broadcast_shapes(key.shape[:-2], value.shape[:-2])
         key = key.expand(*kv_batch, *key.shape[-2:])
         value = value.expand(*kv_batch, *value.shape[-2:])
     rng_state = draw_rng_state(query.device) if dropout_p > 0 else None
@@ -229,8 +242,11 @@ def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa):
         # Dynamo traces the op with its registered autograd (the same backward); the Function's
         # jvp/vmap rules are for eager functorch transforms.
         out, lse = ops.attention_fwd(*args)
-    else:
+    elif _needs_autograd(query, key, value, attn_mask):
         out, lse = AttentionFunction.apply(*args)
+    else:  # inference: nothing to record, so not through the autograd Function
+        with _below_autograd():
+            out, lse = ops.attention_fwd(*args)
     if heads is not None:
         out = out.flatten(-4, -3)
         lse = lse.flatten(-3, -2)
@@ -282,7 +298,13 @@ def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = Non
     value = key.new_empty((*key.shape[:-1], 0))
     query, key, value, attn_mask, scale, _, heads = _prepare(query, key, value, attn_mask, scale, 0.0, enable_gqa)
     args = (query, key, attn_mask, scale, CAUSAL_CODES[causal])
-    w = ops.attention_probs(*args) if torch.compiler.is_compiling() else AttentionWeightsFunction.apply(*args)
+    if torch.compiler.is_compiling():
+        w = ops.attention_probs(*args)
+    elif _needs_autograd(query, key, attn_mask):
+        w = AttentionWeightsFunction.apply(*args)
+    else:
+        with _below_autograd():
+            w = ops.attention_probs(*args)
     if heads is not None:
         w = w.flatten(-4, -3)
     return w

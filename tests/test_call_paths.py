@@ -1,0 +1,89 @@
+"""Which path a call takes: a call that records nothing for autograd (no input requires grad, or
+grad mode off) runs the op directly, without the autograd Function, and returns exactly what the
+Function returns; forward-mode AD and functorch transforms still go through the Function's rules
+even with grad mode off; small CPU calls run on the calling thread and give the same bits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import attention_ext
+from attention_ext import function
+
+
+def inputs(n=5, m=7, d=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 3, length, d, generator=g, dtype=dtype) for length in (n, m, m)]
+
+
+def count_function_calls(monkeypatch):
+    calls = []
+    for cls in (function.AttentionFunction, function.AttentionWeightsFunction):
+        original = cls.forward
+
+        def counted(*args, _original=original):
+            calls.append(1)
+            return _original(*args)
+
+        monkeypatch.setattr(cls, "forward", staticmethod(counted))
+    return calls
+
+
+def test_inference_skips_the_autograd_function_and_returns_the_same_bits(monkeypatch):
+    q, k, v = inputs()
+    with_graph = attention_ext.attention(*(t.clone().requires_grad_() for t in (q, k, v)), causal="bottom_right")
+    calls = count_function_calls(monkeypatch)
+    plain = attention_ext.attention(q, k, v, causal="bottom_right")
+    with torch.no_grad():
+        no_grad = attention_ext.attention(*(t.clone().requires_grad_() for t in (q, k, v)), causal="bottom_right")
+        weights = attention_ext.attention_weights(q, k)
+    assert calls == []
+    assert plain.grad_fn is None and no_grad.grad_fn is None and weights.grad_fn is None
+    assert torch.equal(plain, with_graph.detach()) and torch.equal(no_grad, plain)
+
+
+def test_an_input_that_requires_grad_goes_through_the_function(monkeypatch):
+    calls = count_function_calls(monkeypatch)
+    q, k, v = inputs()
+    out = attention_ext.scaled_dot_product_attention(q, k, v.requires_grad_())
+    assert calls == [1] and out.grad_fn is not None
+
+
+def test_forward_ad_works_with_grad_mode_off():
+    q, k, v = inputs()
+    tangent = torch.randn_like(q)
+    with torch.no_grad(), fwAD.dual_level():
+        out = attention_ext.scaled_dot_product_attention(fwAD.make_dual(q, tangent), k, v)
+        jvp_no_grad = fwAD.unpack_dual(out).tangent
+    _, jvp = torch.func.jvp(lambda q: attention_ext.scaled_dot_product_attention(q, k, v), (q,), (tangent,))
+    assert jvp_no_grad is not None
+    torch.testing.assert_close(jvp_no_grad, jvp)
+
+
+def test_vmap_works_with_grad_mode_off():
+    q, k, v = inputs()
+    qs = torch.stack([q, 2 * q])
+    with torch.no_grad():
+        batched = torch.vmap(lambda q: attention_ext.scaled_dot_product_attention(q, k, v))(qs)
+    for i in range(2):
+        torch.testing.assert_close(batched[i], attention_ext.scaled_dot_product_attention(qs[i], k, v))
+
+
+def test_small_calls_give_the_same_bits_on_any_thread_count():
+    # Below the serial threshold (and above it, for contrast): one thread and two agree bitwise.
+    threads = torch.get_num_threads()
+    try:
+        for n, m in ((1, 16), (4, 40), (70, 300)):
+            q, k, v = inputs(n=n, m=m, d=16, dtype=torch.float32)
+            results = []
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+                out = attention_ext.scaled_dot_product_attention(q1, k1, v1)
+                out.sum().backward()
+                results.append((out, q1.grad, k1.grad, v1.grad))
+            for a, b in zip(*results):
+                assert torch.equal(a, b), (n, m)
+    finally:
+        torch.set_num_threads(threads)
