@@ -14,13 +14,12 @@ import numbers
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad  # its _current_level: whether a dual level is open
 
 from ._arguments import dropout_rules, enforce, mask_rules, qkv_rules, scale_rules
 from ._constants import CAUSAL_CODES
 from ._ops import ops
 from .function import AttentionFunction, AttentionWeightsFunction, _below_autograd
-
-import torch.autograd.forward_ad as _forward_ad  # noqa: E402  (its _current_level: an open dual level)
 
 
 def _check_tensor(t, name):
