@@ -194,6 +194,19 @@ def _apply_gqa(query, key, value, attn_mask):
     return query, key, value, attn_mask, hq
 
 
+def _call(op, function, args, *differentiable):
+    """Runs op(*args) the way the call needs: traced by Dynamo, the op itself (with its registered
+    autograd, the same backward; the Function's jvp/vmap rules are for eager functorch
+    transforms); when autograd has something to record, through the autograd Function; else
+    (inference) the op below the autograd keys."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    if _needs_autograd(*differentiable):
+        return function.apply(*args)
+    with _below_autograd():
+        return op(*args)
+
+
 def _needs_autograd(*tensors) -> bool:
     """Whether a call must go through the autograd Function: an input requires grad (with grad
     mode on), a forward-mode AD level is open (inputs may carry tangents), or a functorch
@@ -237,15 +250,7 @@ def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa):
         value = value.expand(*kv_batch, *value.shape[-2:])
     rng_state = draw_rng_state(query.device) if dropout_p > 0 else None
     args = (query, key, value, attn_mask, scale, CAUSAL_CODES[causal], dropout_p, rng_state)
-    if torch.compiler.is_compiling():
-        # Dynamo traces the op with its registered autograd (the same backward); the Function's
-        # jvp/vmap rules are for eager functorch transforms.
-        out, lse = ops.attention_fwd(*args)
-    elif _needs_autograd(query, key, value, attn_mask):
-        out, lse = AttentionFunction.apply(*args)
-    else:  # inference: nothing to record, so not through the autograd Function
-        with _below_autograd():
-            out, lse = ops.attention_fwd(*args)
+    out, lse = _call(ops.attention_fwd, AttentionFunction, args, query, key, value, attn_mask)
     if heads is not None:
         out = out.flatten(-4, -3)
         lse = lse.flatten(-3, -2)
@@ -297,13 +302,7 @@ def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = Non
     value = key.new_empty((*key.shape[:-1], 0))
     query, key, value, attn_mask, scale, _, heads = _prepare(query, key, value, attn_mask, scale, 0.0, enable_gqa)
     args = (query, key, attn_mask, scale, CAUSAL_CODES[causal])
-    if torch.compiler.is_compiling():
-        w = ops.attention_probs(*args)
-    elif _needs_autograd(query, key, attn_mask):
-        w = AttentionWeightsFunction.apply(*args)
-    else:
-        with _below_autograd():
-            w = ops.attention_probs(*args)
+    w = _call(ops.attention_probs, AttentionWeightsFunction, args, query, key, attn_mask)
     if heads is not None:
         w = w.flatten(-4, -3)
     return w

@@ -229,7 +229,7 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
                 rng_state, mask_grad):
         with _below_autograd():
             return ops.attention_bwd(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
-                                 dropout_p, rng_state, mask_grad)
+                                     dropout_p, rng_state, mask_grad)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
