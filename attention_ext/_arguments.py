@@ -86,13 +86,25 @@ def mask_rules(check: Check, attn_mask: torch.Tensor, query: torch.Tensor) -> No
           lambda: f"attn_mask must be on {query.device}, got {attn_mask.device}")
 
 
-def op_rules(check: Check, query, key, value, attn_mask, scale, causal, dropout_p, rng_state) -> None:
+def band_rules(check: Check, causal, window_left, window_right, n, m) -> None:
+    """The causal code and the sliding window as the ops take them (-1: unbounded side). A window
+    is aligned bottom-right; top-left causal agrees with that only when n == m."""
+    check(causal in CAUSAL_CODES.values(), ValueError,
+          lambda: f"causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got {causal}")
+    check(window_left >= -1 and window_right >= -1, ValueError,
+          lambda: f"window bounds must be >= 0, or -1 for unbounded, got ({window_left}, {window_right})")
+    check(causal != CAUSAL_CODES["top_left"] or (window_left < 0 and window_right < 0) or n == m, ValueError,
+          lambda: f"a sliding window is aligned bottom-right and cannot be combined with top-left causal when "
+          f"queries ({n}) and keys ({m}) differ in number; use bottom-right causal")
+
+
+def op_rules(check: Check, query, key, value, attn_mask, scale, causal, window_left, window_right, dropout_p,
+             rng_state) -> None:
     """Every rule of one op call (attention_fwd / attention_bwd / attention_probs; value None for
     the last), with causal as the ops take it: an integer code."""
     qkv_rules(check, query, key, value)
     scale_rules(check, scale, query.dtype)
-    check(causal in CAUSAL_CODES.values(), ValueError,
-          lambda: f"causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got {causal}")
+    band_rules(check, causal, window_left, window_right, query.shape[-2], key.shape[-2])
     dropout_rules(check, dropout_p)
     if dropout_p > 0.0:
         rng_state_rules(check, rng_state, query.device)

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.autograd.forward_ad as _forward_ad  # its _current_level: whether a dual level is open
 
-from ._arguments import dropout_rules, enforce, mask_rules, qkv_rules, scale_rules
+from ._arguments import band_rules, dropout_rules, enforce, mask_rules, qkv_rules, scale_rules
 from ._constants import CAUSAL_CODES
 from ._ops import ops
 from .function import AttentionFunction, AttentionWeightsFunction, _below_autograd
@@ -104,6 +104,26 @@ def _check_causal(causal):
     if causal not in CAUSAL_CODES:
         raise ValueError(f"attention_ext: causal must be None, 'top_left' or 'bottom_right', got {causal!r}")
     return causal
+
+
+def _check_window(window):
+    """window=(left, right) -> the ops' (window_left, window_right), -1 for an unbounded side.
+    None (or FlashAttention's -1) leaves a side unbounded; window=None is no window."""
+    if window is None:
+        return -1, -1
+    if isinstance(window, torch.Tensor) or not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"attention_ext: window must be None or a pair (left, right) of ints or None, got {window!r}")
+    bounds = []
+    for side, b in zip(("left", "right"), window):
+        if b is None:
+            bounds.append(-1)
+            continue
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral):
+            raise TypeError(f"attention_ext: window {side} bound must be an int or None, got {type(b).__name__}")
+        if b < -1:
+            raise ValueError(f"attention_ext: window {side} bound must be >= 0 (or None / -1 for unbounded), got {b}")
+        bounds.append(int(b))
+    return bounds[0], bounds[1]
 
 
 def _causal_bias_kind(attn_mask):
@@ -240,16 +260,17 @@ def _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa):
     return query, key, value, attn_mask, scale, dropout_p, heads
 
 
-def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa):
+def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, window=(-1, -1)):
     query, key, value, attn_mask, scale, dropout_p, heads = _prepare(
         query, key, value, attn_mask, scale, dropout_p, enable_gqa)
+    band_rules(enforce, CAUSAL_CODES[causal], *window, query.shape[-2], key.shape[-2])
     # The kernels own dK/dV per key position, so K and V must broadcast alike: expand (a view).
     if key.shape[:-2] != value.shape[:-2]:
         kv_batch = _broadcast_shapes(key.shape[:-2], value.shape[:-2])
         key = key.expand(*kv_batch, *key.shape[-2:])
         value = value.expand(*kv_batch, *value.shape[-2:])
     rng_state = draw_rng_state(query.device) if dropout_p > 0 else None
-    args = (query, key, value, attn_mask, scale, CAUSAL_CODES[causal], dropout_p, rng_state)
+    args = (query, key, value, attn_mask, scale, CAUSAL_CODES[causal], *window, dropout_p, rng_state)
     out, lse = _call(ops.attention_fwd, AttentionFunction, args, query, key, value, attn_mask)
     if heads is not None:
         out = out.flatten(-4, -3)
@@ -278,30 +299,37 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return out
 
 
-def attention(query, key, value, *, attn_mask=None, causal: Optional[str] = None, scale=None, dropout_p=0.0,
-              enable_gqa=False, return_lse=False):
+def attention(query, key, value, *, attn_mask=None, causal: Optional[str] = None, window=None, scale=None,
+              dropout_p=0.0, enable_gqa=False, return_lse=False):
     """Extended API. causal: None, "top_left" (torch's is_causal) or "bottom_right"
     (FlashAttention's; key j visible to query i iff j <= i + m - n); unlike the drop-in, causal
-    and attn_mask may be combined (a key takes part only if both allow it). With return_lse=True returns
+    and attn_mask may be combined (a key takes part only if both allow it). window=(left, right):
+    a sliding window, key j visible to query i iff i + m - n - left <= j <= i + m - n + right
+    (bottom-right aligned like FlashAttention's window_size; None for an unbounded side); tiles
+    outside it are skipped, so a window w costs O(n·w). With return_lse=True returns
     (out, lse), lse (..., n) the natural-log logsumexp of each row's scores (-inf for a row where
     no key takes part), float32 for float16/bfloat16/float32 inputs and float64 for float64; it
     is differentiable too."""
     _check_causal(causal)
-    out, lse = _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa)
+    window = _check_window(window)
+    out, lse = _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, window)
     return (out, lse) if return_lse else out
 
 
-def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = None, scale=None, enable_gqa=False):
+def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = None, window=None, scale=None,
+                      enable_gqa=False):
     """The exact attention probabilities W (..., n, m): rows sum to 1, masked entries are 0, rows
-    with no visible key are all 0. Differentiable in reverse and forward mode (both composed in
-    torch ops from W)."""
+    with no visible key are all 0. causal and window as in attention(). Differentiable in reverse
+    and forward mode (both composed in torch ops from W)."""
     _check_causal(causal)
+    window = _check_window(window)
     _check_tensor(query, "query")
     _check_tensor(key, "key")
     # The shared checks, with a value of no columns.
     value = key.new_empty((*key.shape[:-1], 0))
     query, key, value, attn_mask, scale, _, heads = _prepare(query, key, value, attn_mask, scale, 0.0, enable_gqa)
-    args = (query, key, attn_mask, scale, CAUSAL_CODES[causal])
+    band_rules(enforce, CAUSAL_CODES[causal], *window, query.shape[-2], key.shape[-2])
+    args = (query, key, attn_mask, scale, CAUSAL_CODES[causal], *window)
     w = _call(ops.attention_probs, AttentionWeightsFunction, args, query, key, attn_mask)
     if heads is not None:
         w = w.flatten(-4, -3)

@@ -16,9 +16,12 @@ What differs, on purpose:
     RNG, so the dropped entries differ from FlashAttention's (attention_ext.dropout_mask
     reproduces them).
 
-Not supported yet (a clear NotImplementedError, never a silent fallback): sliding windows other
-than the causal one (window_size (-1, 0)), softcap, alibi_slopes, and the variable-length
-functions (flash_attn_varlen_*).
+window_size=(left, right) is FlashAttention's sliding window, bottom-right aligned: key j is
+visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1:
+unbounded); causal=True sets right to 0. The kernels skip the key tiles outside the window.
+
+Not supported yet (a clear NotImplementedError, never a silent fallback): softcap, alibi_slopes,
+and the variable-length functions (flash_attn_varlen_*).
 """
 from __future__ import annotations
 
@@ -50,9 +53,9 @@ def _check_layout(q, k, v):
                          f"in k and v ({kv_heads})")
 
 
-def _causal_from(causal, window_size):
-    """FlashAttention's causal / window_size pair as this package's causal kind. causal=True is
-    window (-1, 0); (-1, -1) is no window."""
+def _band_from(causal, window_size):
+    """FlashAttention's causal / window_size pair as this package's (causal kind, window):
+    causal=True is bottom-right causal (window (-1, 0)); -1 leaves a side unbounded."""
     if not isinstance(causal, bool):
         raise TypeError(f"attention_ext.flash: causal must be a bool, got {type(causal).__name__}")
     try:
@@ -63,15 +66,7 @@ def _causal_from(causal, window_size):
     if left < -1 or right < -1:
         raise ValueError(f"attention_ext.flash: window_size values must be -1 (unbounded) or >= 0, got "
                          f"{(left, right)}")
-    if causal:
-        right = 0  # as FlashAttention: causal overrides the right edge
-    if (left, right) == (-1, -1):
-        return None
-    if (left, right) == (-1, 0):
-        return "bottom_right"
-    raise NotImplementedError(
-        f"attention_ext.flash: sliding windows (window_size={(left, right)}, causal={causal}) are not supported "
-        "yet; window_size=(-1, -1) and causal=True / window_size=(-1, 0) are")
+    return ("bottom_right" if causal else None), (left, right)
 
 
 def _check_unsupported(softcap, alibi_slopes):
@@ -89,19 +84,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (batch, seqlen_q, heads, head_dim_v), or with return_attn_probs=True (out, softmax_lse,
     probabilities)."""
     _check_layout(q, k, v)
-    causal_kind = _causal_from(causal, window_size)
+    causal_kind, window = _band_from(causal, window_size)
     _check_unsupported(softcap, alibi_slopes)
     if not isinstance(deterministic, bool):
         raise TypeError(f"attention_ext.flash: deterministic must be a bool, got {type(deterministic).__name__}")
     gqa = q.shape[2] != k.shape[2]
     # (batch, seqlen, heads, dim) -> (batch, heads, seqlen, dim): views; the kernels take strides.
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    out, lse = attention(qh, kh, vh, causal=causal_kind, scale=softmax_scale, dropout_p=dropout_p, enable_gqa=gqa,
-                         return_lse=True)
+    out, lse = attention(qh, kh, vh, causal=causal_kind, window=window, scale=softmax_scale, dropout_p=dropout_p,
+                         enable_gqa=gqa, return_lse=True)
     out = out.transpose(1, 2)
     if not return_attn_probs:
         return out
-    probs = attention_weights(qh, kh, causal=causal_kind, scale=softmax_scale, enable_gqa=gqa)
+    probs = attention_weights(qh, kh, causal=causal_kind, window=window, scale=softmax_scale, enable_gqa=gqa)
     return out, lse, probs
 
 

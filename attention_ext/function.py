@@ -65,9 +65,9 @@ def _batch_shape(query, key, value):
 # First order: the fused kernels.
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, scale, causal, dropout_p, rng_state = inputs
+    query, key, value, attn_mask, scale, causal, window_left, window_right, dropout_p, rng_state = inputs
     out, lse = output
-    ctx.scale, ctx.causal, ctx.dropout_p = scale, causal, dropout_p
+    ctx.scale, ctx.band, ctx.dropout_p = scale, (causal, window_left, window_right), dropout_p
     ctx.save_for_backward(query, key, value, attn_mask, out, lse, rng_state)
     ctx.set_materialize_grads(False)
 
@@ -75,32 +75,34 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     query, key, value, attn_mask, out, lse, rng_state = ctx.saved_tensors
     if grad_out is None and grad_lse is None:
-        return (None,) * 8
+        return (None,) * 10
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     mask_grad = bool(ctx.needs_input_grad[3]) and attn_mask is not None
-    args = (grad_out, grad_lse, query, key, value, attn_mask, out, lse, ctx.scale, ctx.causal,
+    args = (grad_out, grad_lse, query, key, value, attn_mask, out, lse, ctx.scale, *ctx.band,
             ctx.dropout_p, rng_state, mask_grad)
     if torch.is_grad_enabled():  # create_graph=True: keep the graph for double backward
         dq, dk, dv, dmask = AttentionBackward.apply(*args)
     else:
         with _below_autograd():
             dq, dk, dv, dmask = ops.attention_bwd(*args)
-    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None
+    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None
 
 
 class AttentionFunction(_PositionalApply, torch.autograd.Function):
-    """(query, key, value, attn_mask, scale, causal, dropout_p, rng_state) -> (out, lse)."""
+    """(query, key, value, attn_mask, scale, causal, window_left, window_right, dropout_p, rng_state)
+    -> (out, lse)."""
 
     @staticmethod
-    def forward(query, key, value, attn_mask, scale, causal, dropout_p, rng_state):
+    def forward(query, key, value, attn_mask, scale, causal, window_left, window_right, dropout_p, rng_state):
         with _below_autograd():
-            return ops.attention_fwd(query, key, value, attn_mask, scale, causal, dropout_p, rng_state)
+            return ops.attention_fwd(query, key, value, attn_mask, scale, causal, window_left, window_right,
+                                     dropout_p, rng_state)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         _setup_context(ctx, inputs, output)
-        query, key, value, attn_mask, _, _, _, rng_state = inputs
+        query, key, value, attn_mask, *_, rng_state = inputs
         ctx.save_for_forward(query, key, value, attn_mask, rng_state)
 
     @staticmethod
@@ -113,7 +115,7 @@ class AttentionFunction(_PositionalApply, torch.autograd.Function):
         scale = ctx.scale
         s_t = _score_tangent(query, key, query_t, key_t, mask_t, scale)
         # Through the weights' own Function, so nested forward-mode AD sees their tangent too.
-        probs = AttentionWeightsFunction.apply(query, key, attn_mask, scale, ctx.causal)
+        probs = AttentionWeightsFunction.apply(query, key, attn_mask, scale, *ctx.band)
         batch = probs.shape[:-2]
         z = None
         weights = probs
@@ -142,12 +144,14 @@ class AttentionFunction(_PositionalApply, torch.autograd.Function):
         return out_t.contiguous(), lse_t.contiguous()
 
     @staticmethod
-    def vmap(info, in_dims, query, key, value, attn_mask, scale, causal, dropout_p, rng_state):
-        if in_dims[7] is not None:
+    def vmap(info, in_dims, query, key, value, attn_mask, scale, causal, window_left, window_right, dropout_p,
+             rng_state):
+        if in_dims[9] is not None:
             raise NotImplementedError("attention_ext: vmap over rng_state is not supported")
         query, key, value, attn_mask = fold_vmap_dim(info.batch_size, in_dims[:4],
                                                      (query, key, value, attn_mask))
-        out, lse = AttentionFunction.apply(query, key, value, attn_mask, scale, causal, dropout_p, rng_state)
+        out, lse = AttentionFunction.apply(query, key, value, attn_mask, scale, causal, window_left, window_right,
+                                           dropout_p, rng_state)
         return (out, lse), (0, 0)
 
 
@@ -195,11 +199,11 @@ torch.library.register_autograd("attention_ext::attention_fwd", _backward, setup
 # ----------------------------------------------------------------------------------------------
 # Second order: a composition of torch ops.
 
-def attention_backward_composite(grad_out, grad_lse, query, key, value, attn_mask, scale, causal,
+def attention_backward_composite(grad_out, grad_lse, query, key, value, attn_mask, scale, band,
                                  dropout_p, rng_state):
     """The backward of the kernels in differentiable torch ops: (dq, dk, dv, dmask), reduced to
-    the inputs' shapes. Memory O(batch · n · m)."""
-    s = masked_scores(query, key, attn_mask, causal=CAUSAL_NAMES[causal], scale=scale)
+    the inputs' shapes; band = (causal code, window_left, window_right). Memory O(batch · n · m)."""
+    s = masked_scores(query, key, attn_mask, causal=CAUSAL_NAMES[band[0]], window=band[1:], scale=scale)
     p, _ = softmax_lse(s)
     pz = p
     z = None
@@ -225,16 +229,18 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
     """The fused backward as a differentiable function (its own backward is the composition)."""
 
     @staticmethod
-    def forward(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal, dropout_p,
-                rng_state, mask_grad):
+    def forward(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal, window_left,
+                window_right, dropout_p, rng_state, mask_grad):
         with _below_autograd():
             return ops.attention_bwd(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
-                                     dropout_p, rng_state, mask_grad)
+                                     window_left, window_right, dropout_p, rng_state, mask_grad)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        grad_out, grad_lse, query, key, value, attn_mask, _, _, scale, causal, dropout_p, rng_state, mask_grad = inputs
-        ctx.scale, ctx.causal, ctx.dropout_p, ctx.mask_grad = scale, causal, dropout_p, mask_grad
+        (grad_out, grad_lse, query, key, value, attn_mask, _, _, scale, causal, window_left, window_right, dropout_p,
+         rng_state, mask_grad) = inputs
+        ctx.scale, ctx.dropout_p, ctx.mask_grad = scale, dropout_p, mask_grad
+        ctx.band = (causal, window_left, window_right)
         ctx.save_for_backward(grad_out, grad_lse, query, key, value, attn_mask, rng_state)
         ctx.set_materialize_grads(False)
 
@@ -246,7 +252,7 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
         wants[5] = wants[5] and attn_mask.is_floating_point()
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_(w) if t is not None else None for t, w in zip(leaves, wants)]
-            results = attention_backward_composite(*inputs, ctx.scale, ctx.causal, ctx.dropout_p, rng_state)
+            results = attention_backward_composite(*inputs, ctx.scale, ctx.band, ctx.dropout_p, rng_state)
             pairs = [(r, g) for r, g in zip(results, (g_dq, g_dk, g_dv, g_dmask if ctx.mask_grad else None))
                      if r is not None and g is not None and r.requires_grad]
             targets = [t for t, w in zip(inputs, wants) if w]
@@ -255,12 +261,12 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
                      if pairs and targets else [None] * len(targets))
         it = iter(grads)
         out = [next(it) if w else None for w in wants]
-        return (*out, None, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None, None, None)
 
     @staticmethod
     def vmap(info, in_dims, grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
-             dropout_p, rng_state, mask_grad):
-        if in_dims[11] is not None:
+             window_left, window_right, dropout_p, rng_state, mask_grad):
+        if in_dims[13] is not None:
             raise NotImplementedError("attention_ext: vmap over rng_state is not supported")
         q, k, v, m, go, o = fold_vmap_dim(
             info.batch_size, (in_dims[2], in_dims[3], in_dims[4], in_dims[5], in_dims[0], in_dims[6]),
@@ -278,8 +284,8 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
         ls = ls.expand(*batch, ls.shape[-1])
         if gl is not None:
             gl = gl.expand(*batch, gl.shape[-1])
-        dq, dk, dv, dmask = AttentionBackward.apply(go, gl, q, k, v, m, o, ls, scale, causal, dropout_p,
-                                                    rng_state, mask_grad)
+        dq, dk, dv, dmask = AttentionBackward.apply(go, gl, q, k, v, m, o, ls, scale, causal, window_left,
+                                                    window_right, dropout_p, rng_state, mask_grad)
         return (dq, dk, dv, dmask), (0, 0, 0, 0 if mask_grad else None)
 
 
@@ -297,7 +303,7 @@ torch.library.register_autograd("attention_ext::attention_bwd", AttentionBackwar
 # Exact attention weights.
 
 def _probs_setup_context(ctx, inputs, output):
-    query, key, attn_mask, scale, causal = inputs
+    query, key, attn_mask, scale = inputs[:4]
     ctx.scale = scale
     ctx.save_for_backward(query, key, attn_mask, output)
 
@@ -312,7 +318,7 @@ def _probs_backward(ctx, grad_w):
     if ctx.needs_input_grad[2] and attn_mask is not None and attn_mask.is_floating_point():
         dmask = ds.sum_to_size(attn_mask.shape)
     return (dq.sum_to_size(query.shape) if dq is not None else None,
-            dk.sum_to_size(key.shape) if dk is not None else None, dmask, None, None)
+            dk.sum_to_size(key.shape) if dk is not None else None, dmask, None, None, None, None)
 
 
 def _weights_tangent(query, key, w, query_t, key_t, mask_t, scale):
@@ -325,12 +331,13 @@ def _weights_tangent(query, key, w, query_t, key_t, mask_t, scale):
 
 
 class AttentionWeightsFunction(_PositionalApply, torch.autograd.Function):
-    """(query, key, attn_mask, scale, causal) -> exact attention probabilities W."""
+    """(query, key, attn_mask, scale, causal, window_left, window_right) -> exact attention
+    probabilities W."""
 
     @staticmethod
-    def forward(query, key, attn_mask, scale, causal):
+    def forward(query, key, attn_mask, scale, causal, window_left, window_right):
         with _below_autograd():
-            return ops.attention_probs(query, key, attn_mask, scale, causal)
+            return ops.attention_probs(query, key, attn_mask, scale, causal, window_left, window_right)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -347,9 +354,9 @@ class AttentionWeightsFunction(_PositionalApply, torch.autograd.Function):
         return _weights_tangent(query, key, w, query_t, key_t, mask_t, ctx.scale)
 
     @staticmethod
-    def vmap(info, in_dims, query, key, attn_mask, scale, causal):
+    def vmap(info, in_dims, query, key, attn_mask, scale, causal, window_left, window_right):
         query, key, attn_mask = fold_vmap_dim(info.batch_size, in_dims[:3], (query, key, attn_mask))
-        return AttentionWeightsFunction.apply(query, key, attn_mask, scale, causal), 0
+        return AttentionWeightsFunction.apply(query, key, attn_mask, scale, causal, window_left, window_right), 0
 
 
 torch.library.register_autograd("attention_ext::attention_probs", _probs_backward,

@@ -14,17 +14,31 @@ import torch
 
 
 
-def causal_visibility(n: int, m: int, causal: Optional[str], device=None) -> Optional[torch.Tensor]:
-    """Bool (n, m): True where key j is visible to query i under the causal alignment."""
-    if causal is None:
+def _bound(b) -> Optional[int]:
+    """A window bound: None or a negative number (-1, FlashAttention's) means unbounded."""
+    return None if b is None or b < 0 else int(b)
+
+
+def band_visibility(n: int, m: int, causal: Optional[str], device=None, window=None) -> Optional[torch.Tensor]:
+    """Bool (n, m): True where key j is visible to query i under the causal alignment and the
+    sliding window (left, right): i + m - n - left <= j <= i + m - n + right (bottom-right
+    aligned, as FlashAttention; top-left causal aligns at j <= i). None where all are visible."""
+    left, right = (None, None) if window is None else (_bound(window[0]), _bound(window[1]))
+    if causal is None and left is None and right is None:
         return None
-    shift = 0 if causal == "top_left" else m - n
-    i = torch.arange(n, device=device).unsqueeze(-1)
+    diag = torch.arange(n, device=device).unsqueeze(-1) + (0 if causal == "top_left" else m - n)
     j = torch.arange(m, device=device)
-    return j <= i + shift
+    visible = torch.ones(n, m, dtype=torch.bool, device=device)
+    if causal is not None:
+        visible &= j <= diag
+    if right is not None:
+        visible &= j <= diag + right
+    if left is not None:
+        visible &= j >= diag - left
+    return visible
 
 
-def masked_scores(query, key, attn_mask=None, *, causal=None, scale=None) -> torch.Tensor:
+def masked_scores(query, key, attn_mask=None, *, causal=None, window=None, scale=None) -> torch.Tensor:
     """Scaled scores with the mask applied: -inf where a key does not take part."""
     if scale is None:  # d_k = 0: every score is 0 whatever the scale
         scale = 1.0 / math.sqrt(key.shape[-1]) if key.shape[-1] > 0 else 1.0
@@ -36,7 +50,7 @@ def masked_scores(query, key, attn_mask=None, *, causal=None, scale=None) -> tor
             lowest = torch.finfo(attn_mask.dtype).min
             s = s + attn_mask.to(s.dtype)
             s = s.masked_fill(attn_mask <= lowest, float("-inf"))
-    vis = causal_visibility(s.shape[-2], s.shape[-1], causal, s.device)
+    vis = band_visibility(s.shape[-2], s.shape[-1], causal, s.device, window)
     if vis is not None:
         s = s.masked_fill(~vis, float("-inf"))
     return s
@@ -67,6 +81,7 @@ def attention_reference(
     attn_mask=None,
     *,
     causal: Optional[str] = None,
+    window=None,
     scale: Optional[float] = None,
     dropout_mask: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
@@ -83,7 +98,7 @@ def attention_reference(
             attn_mask = attn_mask.to(dtype).masked_fill(lowest, float("-inf"))
     if enable_gqa:
         key, value = expand_gqa(query, key, value)
-    s = masked_scores(query, key, attn_mask, causal=causal, scale=scale)
+    s = masked_scores(query, key, attn_mask, causal=causal, window=window, scale=scale)
     p, lse = softmax_lse(s)
     weights = p
     if dropout_mask is not None and dropout_p > 0:

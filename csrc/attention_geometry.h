@@ -80,19 +80,56 @@ ATTN_HD inline int64_t batch_offset(const AttentionParams& p, const TensorRef& t
   return off;
 }
 
-// Key j is visible to query i iff j <= i + causal_shift (when causal).
-ATTN_HD inline int64_t causal_shift(const AttentionParams& p) {
-  return p.causal == CausalKind::kBottomRight ? p.m - p.n : 0;
+// The visibility band: key j is visible to query i iff lo(i) <= j <= hi(i) with
+//   lo(i) = i + shift − window_left   (no bound when window_left < 0),
+//   hi(i) = i + shift + right          (right = 0 when causal, window_right otherwise; −1: none),
+// shift = 0 for top-left causal and m − n otherwise (bottom-right, FlashAttention's alignment).
+// Both bounds grow with i, so a tile of rows [i0, i0 + rows) sees keys [lo(i0), hi(i0 + rows − 1)]
+// at most and every loop below skips the tiles outside the band: cost follows the visible work.
+ATTN_HD inline int64_t band_shift(const AttentionParams& p) {
+  return p.causal == CausalKind::kTopLeft ? 0 : p.m - p.n;
 }
-// Keys [0, end) can be visible to some row of the query rows [i0, i0 + rows).
+ATTN_HD inline int64_t band_right(const AttentionParams& p) {
+  return p.causal != CausalKind::kNone ? 0 : p.window_right;
+}
+ATTN_HD inline bool has_band(const AttentionParams& p) {
+  return p.window_left >= 0 || band_right(p) >= 0;
+}
+ATTN_HD inline bool key_visible(const AttentionParams& p, int64_t i, int64_t j) {
+  const int64_t right = band_right(p), diag = i + band_shift(p);
+  return (right < 0 || j <= diag + right) && (p.window_left < 0 || j >= diag - p.window_left);
+}
+// Keys [visible_key_begin(i0), visible_key_end(i0, rows)) hold every key some row of the query
+// rows [i0, i0 + rows) can see (empty when begin >= end).
+ATTN_HD inline int64_t visible_key_begin(const AttentionParams& p, int64_t i0) {
+  if (p.window_left < 0) return 0;
+  return imax(0, imin(p.m, i0 + band_shift(p) - p.window_left));
+}
 ATTN_HD inline int64_t visible_key_end(const AttentionParams& p, int64_t i0, int64_t rows) {
-  if (p.causal == CausalKind::kNone) return p.m;
-  return imax(0, imin(p.m, i0 + rows + causal_shift(p)));
+  const int64_t right = band_right(p);
+  if (right < 0) return p.m;
+  return imax(0, imin(p.m, i0 + rows + band_shift(p) + right));
 }
-// First query row that can see key j0 (rows before it see none of keys >= j0).
+// The first key tile (of `tile` keys, tiles at multiples of it) rows from i0 on can see: tile
+// loops start there, so every kernel visits the same tiles as without a window.
+ATTN_HD inline int64_t visible_key_tile_begin(const AttentionParams& p, int64_t i0, int64_t tile) {
+  return visible_key_begin(p, i0) / tile * tile;
+}
+// Query rows [first_row_seeing(j0), rows_seeing_end(j_end)) hold every row that can see some key
+// of [j0, j_end).
 ATTN_HD inline int64_t first_row_seeing(const AttentionParams& p, int64_t j0) {
-  if (p.causal == CausalKind::kNone) return 0;
-  return imax(0, j0 - causal_shift(p));
+  const int64_t right = band_right(p);
+  if (right < 0) return 0;
+  return imax(0, imin(p.n, j0 - band_shift(p) - right));
+}
+ATTN_HD inline int64_t rows_seeing_end(const AttentionParams& p, int64_t j_end) {
+  if (p.window_left < 0) return p.n;
+  return imax(0, imin(p.n, j_end - band_shift(p) + p.window_left));
+}
+// Whether every (row, key) pair of rows [i0, i0 + rows) x keys [j0, j0 + cols) is in the band.
+ATTN_HD inline bool tile_inside_band(const AttentionParams& p, int64_t i0, int64_t rows, int64_t j0,
+                                     int64_t cols) {
+  return key_visible(p, i0, j0 + cols - 1) && key_visible(p, i0 + rows - 1, j0);
 }
 
 }  // namespace attention_ext

@@ -15,6 +15,8 @@ enum class ScalarType : int32_t { kFloat64 = 0, kFloat32 = 1, kFloat16 = 2, kBFl
 
 // kTopLeft: key j visible to query i iff j <= i (torch's is_causal).
 // kBottomRight: key j visible iff j <= i + (m - n) (FlashAttention; torch's causal_lower_right).
+// Causal is the band's right bound at 0; a sliding window bounds it on both sides
+// (attention_geometry.h: the visibility band, one rule for every kernel).
 enum class CausalKind : int32_t { kNone = 0, kTopLeft = 1, kBottomRight = 2 };
 
 // kBool: true = the key takes part. kAdditive: added to the scaled scores; -inf, and the lowest
@@ -61,13 +63,21 @@ struct AttentionParams {
   // split_keys keys; each (batch index, range) writes its unnormalised output rows to split_out
   // ([batch_numel][kv_splits][n][dv], accumulator type) and (running max in log2 units, sum) to
   // split_stats ([batch_numel][kv_splits][n][2]); a combine step merges them by their lse.
+  // Range s covers keys [split_key_begin + s·split_keys, + split_keys): the ranges cover only the
+  // keys some row can see (a window's), so no range is idle.
   int64_t kv_splits = 1;
   int64_t split_keys = 0;
+  int64_t split_key_begin = 0;
   void* split_out = nullptr;
   void* split_stats = nullptr;
 
   MaskKind mask_kind = MaskKind::kNone;
   CausalKind causal = CausalKind::kNone;
+  // Sliding window, FlashAttention's (left, right): key j visible to query i iff
+  // i + (m − n) − left <= j <= i + (m − n) + right; −1 leaves that side unbounded. Aligned
+  // top-left instead (shift 0) under kTopLeft, which the bindings allow only when n == m.
+  int64_t window_left = -1;
+  int64_t window_right = -1;
   double scale = 1.0;
 
   // Dropout on the attention weights. A weight is kept iff its Philox draw is >= threshold,

@@ -4,7 +4,8 @@
 // score modifier is one function here plus its line there.
 //
 // The logit pipeline, in this order, in log2 units (so the softmax is exp2 of a difference):
-//   s = q·k  ->  s·scale·log2(e)  ->  additive mask  ->  visibility (bool mask, causal kinds).
+//   s = q·k  ->  s·scale·log2(e)  ->  additive mask  ->  visibility (bool mask, the causal /
+//   sliding-window band of attention_geometry.h).
 // The online softmax keeps per row a running max m (log2 units) and a running sum l of
 // 2^(logit − m); the row end turns (m, l) into the output factor and the natural-log lse; partial
 // results over key ranges (split-KV) merge by their maxima.
@@ -66,10 +67,9 @@ ATTN_HD inline A with_additive_mask(A logit, A mask_value, A lowest) {
   return mask_value <= lowest ? neg_inf<A>() : logit + mask_value * static_cast<A>(kLog2e);
 }
 
-// Causal visibility (attention_geometry.h's causal_shift: 0 top-left, m − n bottom-right): key j
-// is visible to query i iff j <= i + shift. The tile loops use its range forms in
-// attention_geometry.h: visible_key_end (keys a row can see) and first_row_seeing.
-ATTN_HD inline bool causally_visible(int64_t i, int64_t j, int64_t shift) { return j <= i + shift; }
+// Visibility by position (causal kinds, sliding windows) is attention_geometry.h's band:
+// key_visible for one entry and its range forms (visible_key_begin/end, first_row_seeing,
+// rows_seeing_end) for the tile loops.
 
 // --- The online softmax and the row end -------------------------------------------------------
 

@@ -24,14 +24,14 @@ namespace {
 using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                   const at::Tensor&,
                                                   const std::optional<at::Tensor>&, double,
-                                                  int64_t, double,
+                                                  int64_t, int64_t, int64_t, double,
                                                   const std::optional<at::Tensor>&);
 using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-    double, int64_t, double, const std::optional<at::Tensor>&, bool);
+    double, int64_t, int64_t, int64_t, double, const std::optional<at::Tensor>&, bool);
 using ProbsSig = at::Tensor(const at::Tensor&, const at::Tensor&,
-                            const std::optional<at::Tensor>&, double, int64_t);
+                            const std::optional<at::Tensor>&, double, int64_t, int64_t, int64_t);
 using InfoSig = std::string();
 using SetVariantSig = std::string(std::string);
 
@@ -93,11 +93,12 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
                                                      const std::optional<at::Tensor>& attn_mask,
                                                      std::optional<double> scale, Causal causal,
                                                      double dropout_p,
-                                                     const std::optional<at::Tensor>& rng_state) {
+                                                     const std::optional<at::Tensor>& rng_state,
+                                                     Window window) {
   at::Tensor key = k, value = v;
   expand_kv(key, value);
   return fwd_op().call(q, key, value, mask_or_none(attn_mask), resolve_scale(q, scale),
-                       static_cast<int64_t>(causal), dropout_p, rng_state);
+                       static_cast<int64_t>(causal), window.left, window.right, dropout_p, rng_state);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
@@ -105,13 +106,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     std::optional<double> scale, Causal causal, double dropout_p,
     const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& grad_lse,
-    bool mask_requires_grad) {
+    bool mask_requires_grad, Window window) {
   at::Tensor key = k, value = v;
   expand_kv(key, value);
   auto [gq, gk, gv, gmask] =
       bwd_op().call(grad_out, mask_or_none(grad_lse), q, key, value, mask_or_none(attn_mask), out, lse,
-                    resolve_scale(q, scale), static_cast<int64_t>(causal), dropout_p, rng_state,
-                    mask_requires_grad);
+                    resolve_scale(q, scale), static_cast<int64_t>(causal), window.left, window.right,
+                    dropout_p, rng_state, mask_requires_grad);
   // Reduce the gradients of expanded key/value back to the caller's shapes.
   if (gk.sizes() != k.sizes()) gk = gk.sum_to_size(k.sizes());
   if (gv.sizes() != v.sizes()) gv = gv.sum_to_size(v.sizes());
@@ -167,8 +168,9 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
 
 at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k,
                              const std::optional<at::Tensor>& attn_mask,
-                             std::optional<double> scale, Causal causal) {
-  return probs_op().call(q, k, mask_or_none(attn_mask), resolve_scale(q, scale), static_cast<int64_t>(causal));
+                             std::optional<double> scale, Causal causal, Window window) {
+  return probs_op().call(q, k, mask_or_none(attn_mask), resolve_scale(q, scale), static_cast<int64_t>(causal),
+                         window.left, window.right);
 }
 
 std::string build_info() {

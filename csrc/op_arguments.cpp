@@ -58,7 +58,7 @@ at::ScalarType lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDoub
 
 AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const std::optional<at::Tensor>& attn_mask, double scale,
-                                      int64_t causal, double dropout_p,
+                                      const Band& band, double dropout_p,
                                       const std::optional<at::Tensor>& rng_state) {
   check_float_tensor(q, "query");
   check_float_tensor(k, "key");
@@ -83,8 +83,11 @@ AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, 
                 " overflows the ", lse_dtype(q.scalar_type()), " accumulation of ", q.scalar_type(),
                 " inputs (|scale| must be at most ", acc_max / kLog2e, ")");
   }
-  TORCH_CHECK(causal >= 0 && causal <= 2,
-              "attention_ext: causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got ", causal);
+  TORCH_CHECK(band.causal >= 0 && band.causal <= 2,
+              "attention_ext: causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got ", band.causal);
+  TORCH_CHECK(band.window_left >= -1 && band.window_right >= -1,
+              "attention_ext: window bounds must be >= 0, or -1 for unbounded, got (", band.window_left,
+              ", ", band.window_right, ")");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
               "attention_ext: dropout_p must be in [0, 1), got ", dropout_p);
   if (dropout_p > 0.0) {
@@ -102,6 +105,12 @@ AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, 
   shape.m = k.size(-2);
   shape.dk = q.size(-1);
   shape.dv = v.size(-1);
+  // A window is aligned bottom-right (query i sits at key i + m − n); top-left causal aligns at
+  // key i. The two agree only when n == m.
+  TORCH_CHECK(band.causal != 1 || (band.window_left < 0 && band.window_right < 0) || shape.n == shape.m,
+              "attention_ext: a sliding window is aligned bottom-right and cannot be combined with ",
+              "top-left causal when queries (", shape.n, ") and keys (", shape.m,
+              ") differ in number; use bottom-right causal");
   const int64_t nd = std::max({q.dim(), k.dim(), v.dim()}) - 2;
   shape.batch.assign(nd, 1);
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{q, "query"},
@@ -181,7 +190,7 @@ TensorRef make_row_ref(const at::Tensor& t, const std::vector<int64_t>& batch) {
 
 AttentionParams make_params(const AttentionShape& shape, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
-                            double scale, int64_t causal, double dropout_p,
+                            double scale, const Band& band, double dropout_p,
                             const std::optional<at::Tensor>& rng_state) {
   AttentionParams p;
   p.dtype = to_scalar_type(q.scalar_type());
@@ -207,7 +216,9 @@ AttentionParams make_params(const AttentionShape& shape, const at::Tensor& q, co
     p.mask_kind = mask.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
   }
   p.scale = scale;
-  p.causal = static_cast<CausalKind>(causal);
+  p.causal = static_cast<CausalKind>(band.causal);
+  p.window_left = band.window_left;
+  p.window_right = band.window_right;
   p.dropout_p = dropout_p;
   p.dropout_threshold = dropout_threshold(dropout_p);
   if (dropout_p > 0.0) {
@@ -233,10 +244,10 @@ std::pair<at::Tensor, at::Tensor> attach_row_shift(AttentionParams& p, const at:
 BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
                               const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const std::optional<at::Tensor>& attn_mask, const at::Tensor& out,
-                              const at::Tensor& lse, double scale, int64_t causal, double dropout_p,
+                              const at::Tensor& lse, double scale, const Band& band, double dropout_p,
                               const std::optional<at::Tensor>& rng_state, bool mask_requires_grad) {
   BackwardCall call;
-  call.shape = check_attention_inputs(q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
+  call.shape = check_attention_inputs(q, k, v, attn_mask, scale, band, dropout_p, rng_state);
   const AttentionShape& shape = call.shape;
   const auto out_shape = with_tail(shape.batch, {shape.n, shape.dv});
   const auto lse_shape = with_tail(shape.batch, {shape.n});
@@ -278,7 +289,7 @@ BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at
   }
 
   AttentionParams& p = call.params;
-  p = make_params(shape, q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
+  p = make_params(shape, q, k, v, attn_mask, scale, band, dropout_p, rng_state);
   p.out = make_ref(out, shape.batch);
   p.lse = make_row_ref(lse, shape.batch);
   p.grad_out = make_ref(grad_out, shape.batch);

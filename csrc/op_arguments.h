@@ -12,6 +12,14 @@
 
 namespace attention_ext {
 
+// Which keys each query may see by position, as the ops take it: the causal code (0 none, 1
+// top-left, 2 bottom-right) and the sliding window's (left, right), −1 = unbounded.
+struct Band {
+  int64_t causal = 0;
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+};
+
 // The validated shape of one call.
 struct AttentionShape {
   std::vector<int64_t> batch;  // broadcast batch shape of q, k, v (and the mask)
@@ -21,13 +29,13 @@ struct AttentionShape {
 // Checks q/k/v (and mask, if given) and returns the broadcast shape.
 AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const std::optional<at::Tensor>& attn_mask, double scale,
-                                      int64_t causal, double dropout_p,
+                                      const Band& band, double dropout_p,
                                       const std::optional<at::Tensor>& rng_state);
 
-// Fills sizes, dtype, q/k/v/mask views, scale, causal and dropout fields.
+// Fills sizes, dtype, q/k/v/mask views, scale, causal, window and dropout fields.
 AttentionParams make_params(const AttentionShape& shape, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
-                            double scale, int64_t causal, double dropout_p,
+                            double scale, const Band& band, double dropout_p,
                             const std::optional<at::Tensor>& rng_state);
 
 // View of a (batch_tail..., rows, cols) tensor broadcast to `batch`: stride 0 on missing or size-1
@@ -70,7 +78,7 @@ struct BackwardCall {
 BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
                               const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const std::optional<at::Tensor>& attn_mask, const at::Tensor& out,
-                              const at::Tensor& lse, double scale, int64_t causal, double dropout_p,
+                              const at::Tensor& lse, double scale, const Band& band, double dropout_p,
                               const std::optional<at::Tensor>& rng_state, bool mask_requires_grad);
 
 std::vector<int64_t> with_tail(std::vector<int64_t> batch, std::initializer_list<int64_t> tail);

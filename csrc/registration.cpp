@@ -3,6 +3,8 @@
 // registered from Python (attention_ext/_ops.py, attention_ext/function.py).
 //
 // causal: 0 = none, 1 = top-left (torch's is_causal), 2 = bottom-right (FlashAttention).
+// window_left / window_right: FlashAttention's sliding window, key j visible to query i iff
+// i + m − n − window_left <= j <= i + m − n + window_right; −1 = unbounded on that side.
 // rng_state: int64 (seed, offset) on the inputs' device, required when dropout_p > 0.
 #include <torch/library.h>
 
@@ -12,15 +14,17 @@
 TORCH_LIBRARY(attention_ext, m) {
   m.def(
       "attention_fwd(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float scale, "
-      "int causal, float dropout_p, Tensor? rng_state) -> (Tensor out, Tensor lse)");
+      "int causal, int window_left, int window_right, float dropout_p, Tensor? rng_state) -> "
+      "(Tensor out, Tensor lse)");
   m.def(
       "attention_bwd(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, "
-      "Tensor? attn_mask, Tensor out, Tensor lse, float scale, int causal, float dropout_p, "
+      "Tensor? attn_mask, Tensor out, Tensor lse, float scale, int causal, int window_left, "
+      "int window_right, float dropout_p, "
       "Tensor? rng_state, bool mask_requires_grad) -> (Tensor grad_query, Tensor grad_key, "
       "Tensor grad_value, Tensor grad_mask)");
   m.def(
-      "attention_probs(Tensor query, Tensor key, Tensor? attn_mask, float scale, int causal) -> "
-      "Tensor");
+      "attention_probs(Tensor query, Tensor key, Tensor? attn_mask, float scale, int causal, "
+      "int window_left, int window_right) -> Tensor");
   m.def(
       "dropout_keep_mask(Tensor rng_state, int[] batch_shape, int n, int m, float dropout_p) -> "
       "Tensor");

@@ -369,6 +369,11 @@ def m_causal(r, g, spec):
                                              "bottom_right", "bottom_right"])
 
 
+def m_window(r, g, spec):
+    if spec["fn"] != "sdpa":
+        spec["kwargs"]["window"] = r.choice([(-2, 0), (0, -5), (1,), "left", (1.5, 2), (True, 0), (3, 2), (0, None)])
+
+
 def m_gqa(r, g, spec):
     spec["kwargs"]["enable_gqa"] = r.choice([True, True, True, 1, None, "yes", np.bool_(True), False])
     q, k, v = (get_slot(spec, s) for s in ("query", "key", "value"))
@@ -408,7 +413,7 @@ def m_missing_args(r, g, spec):
 
 
 PUBLIC_MUTATIONS = [(m_replace_tensor, 3), (m_mix_dtype, 2), (m_meta, 2), (m_reshape, 4), (m_zero_size, 2),
-                    (m_huge, 2), (m_mask, 3), (m_scale, 4), (m_dropout, 2), (m_causal, 2), (m_gqa, 2),
+                    (m_huge, 2), (m_mask, 3), (m_scale, 4), (m_dropout, 2), (m_causal, 2), (m_window, 1), (m_gqa, 2),
                     (m_return_lse, 1), (m_extra_args, 1), (m_requires_grad, 2), (m_missing_args, 1)]
 
 
@@ -424,6 +429,10 @@ def public_call(r, g):
         kwargs["attn_mask"] = p["mask"]
     if fn != "sdpa" and r.random() < 0.5:
         kwargs["causal"] = r.choice([None, "top_left", "bottom_right"])
+    if fn != "sdpa" and r.random() < 0.3 and (kwargs.get("causal") != "top_left" or
+                                              p["q"].shape[-2] == p["k"].shape[-2]):
+        # (a window is bottom-right aligned: with top-left causal only when n == m)
+        kwargs["window"] = r.choice([None, (2, 0), (0, 0), (None, 3), (4, None), (1, 1)])
     if r.random() < 0.3:
         kwargs["scale"] = r.choice([None, 0.5, -1.0, 0.0, 2.0])
     spec = dict(fn=fn, args=args, kwargs=kwargs, mutations=[])
@@ -446,6 +455,9 @@ def raw_call(r, g):
     k = k.expand(*v.shape[:-2], *k.shape[-2:])
     scale = r.choice([1.0, 0.5, -0.25, 0.0])
     causal = r.choice([0, 1, 2])
+    window = r.choice([(-1, -1), (-1, -1), (-1, -1), (2, 0), (0, 3), (5, -1), (-1, 2)])
+    if causal == 1 and q.shape[-2] != k.shape[-2]:  # a window is bottom-right: top-left only when n == m
+        window = (-1, -1)
     dropout_p = r.choice([0.0, 0.0, 0.3])
     rng = torch.tensor([r.randrange(-2 ** 63, 2 ** 63), r.randrange(-2 ** 63, 2 ** 63)], dtype=torch.int64)
     fn = r.choice(["op_fwd", "op_fwd", "op_probs", "op_bwd", "op_bwd", "op_dropout_mask"])
@@ -453,6 +465,9 @@ def raw_call(r, g):
     if r.random() < 0.1:
         causal = r.choice([-1, 3, 7, 2 ** 40, -2 ** 62])
         muts.append("causal")
+    if r.random() < 0.05:
+        window = r.choice([(-2, 0), (0, -3), (-2 ** 40, 1)])
+        muts.append("window")
     if r.random() < 0.1:
         scale = r.choice([math.nan, math.inf, -math.inf, 1e39, 1e300])
         muts.append("scale")
@@ -484,9 +499,9 @@ def raw_call(r, g):
             mask = new if (new is None or isinstance(new, torch.Tensor)) else mask
         muts.append(f"replace_{which}")
     if fn == "op_fwd":
-        args = [q, k, v, mask, scale, causal, dropout_p, rng]
+        args = [q, k, v, mask, scale, causal, *window, dropout_p, rng]
     elif fn == "op_probs":
-        args = [q, k, mask, scale, causal]
+        args = [q, k, mask, scale, causal, *window]
     elif fn == "op_dropout_mask":
         shape = list(p["target"])
         if r.random() < 0.3:
@@ -494,7 +509,7 @@ def raw_call(r, g):
             muts.append("shape")
         args = [rng, shape[:-2], shape[-2], shape[-1], dropout_p if dropout_p != 0.0 else 0.5]
     else:
-        args = ["bwd", q, k, v, mask, scale, causal, dropout_p, rng]
+        args = ["bwd", q, k, v, mask, scale, causal, *window, dropout_p, rng]
         muts.append(r.choice(["none", "none", "grad_out_shape", "grad_out_dtype", "out_shape", "lse_dtype",
                               "lse_shape", "grad_lse_shape", "grad_lse", "mask_grad", "mask_grad_bool",
                               "grad_out_meta", "noncontiguous_grad_out"]))
@@ -511,7 +526,8 @@ def to_float(x):
 
 
 def effective_public(spec):
-    """What a successful public call means: (q, k, v, mask, causal, scale, p, gqa, return_lse)."""
+    """What a successful public call means: (q, k, v, mask, band, scale, p, gqa, return_lse), band
+    the reference's causal and window keywords."""
     from torch.nn.attention.bias import CausalBias, CausalVariant
     fn, a, kw = spec["fn"], spec["args"], spec["kwargs"]
     q, k = a[0], a[1]
@@ -530,7 +546,8 @@ def effective_public(spec):
     scale = kw.get("scale")
     scale = None if scale is None else to_float(scale)
     p = to_float(kw.get("dropout_p", 0.0))
-    return q, k, v, mask, causal, scale, p, bool(kw.get("enable_gqa", False)), kw.get("return_lse", False)
+    band = dict(causal=causal, window=kw.get("window"))
+    return q, k, v, mask, band, scale, p, bool(kw.get("enable_gqa", False)), kw.get("return_lse", False)
 
 
 def virtual_size(*ts):
@@ -589,7 +606,7 @@ def compare(name, got, want, tol, failures):
 
 
 def check_public(spec, result, call_seed, failures):
-    q, k, v, mask, causal, scale, p, gqa, return_lse = effective_public(spec)
+    q, k, v, mask, band, scale, p, gqa, return_lse = effective_public(spec)
     fn = spec["fn"]
     if fn == "attention" and return_lse:
         if not (isinstance(result, tuple) and len(result) == 2):
@@ -626,7 +643,7 @@ def check_public(spec, result, call_seed, failures):
             keep = as_meta(keep)
     rv_ = rv if fn != "weights" else rk.new_empty((*rk.shape[:-1], 0))
     try:
-        ref_out, ref_lse, ref_w = attention_reference(rq, rk, rv_, rmask, causal=causal, scale=scale,
+        ref_out, ref_lse, ref_w = attention_reference(rq, rk, rv_, rmask, **band, scale=scale,
                                                       dropout_mask=keep, dropout_p=p, enable_gqa=gqa)
     except RuntimeError as e:
         if not big:
@@ -664,7 +681,7 @@ def check_public(spec, result, call_seed, failures):
             failures.append(f"lse dtype {lse.dtype}")
         lse_tol = slack * (2 + smax + math.log(k.shape[-2] + 1)) + ATOL[torch.float32]
         compare("lse", lse, ref_lse, lse_tol, failures)
-    check_public_grads(spec, out, lse, (q, k, v, mask), causal, scale, keep, p, gqa, smax, vmax, failures)
+    check_public_grads(spec, out, lse, (q, k, v, mask), band, scale, keep, p, gqa, smax, vmax, failures)
 
 
 def check_meta_shapes(fn, q, k, v, mask, gqa, out, lse, failures):
@@ -684,7 +701,7 @@ def check_meta_shapes(fn, q, k, v, mask, gqa, out, lse, failures):
         failures.append(f"lse shape {tuple(lse.shape)} != expected {(*batch, n)}")
 
 
-def check_public_grads(spec, out, lse, tensors, causal, scale, keep, p, gqa, smax, vmax, failures):
+def check_public_grads(spec, out, lse, tensors, band, scale, keep, p, gqa, smax, vmax, failures):
     leaves = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
     if not leaves or not out.requires_grad or out.dtype in LOW or out.numel() == 0:
         return
@@ -698,7 +715,7 @@ def check_public_grads(spec, out, lse, tensors, causal, scale, keep, p, gqa, sma
     if rmask is not None and rmask.dtype != torch.bool:
         lowest = mask.detach() <= torch.finfo(mask.dtype).min
         rmask = rmask.masked_fill(lowest, -math.inf)
-    ref_out = attention_reference(rq, rk, rv, rmask, causal=causal, scale=scale, dropout_mask=keep,
+    ref_out = attention_reference(rq, rk, rv, rmask, **band, scale=scale, dropout_mask=keep,
                                   dropout_p=p, enable_gqa=gqa)[0]
     ref_leaves = [r_ for r_, t in zip(ref_in, tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
     want = torch.autograd.grad(ref_out, ref_leaves, grad_out.double(), allow_unused=True)
@@ -723,10 +740,10 @@ def call_raw(spec):
         return dict(result=ops.attention_probs(*a))
     if fn == "op_dropout_mask":
         return dict(result=ops.dropout_keep_mask(*a), again=ops.dropout_keep_mask(*a))
-    _, q, k, v, mask, scale, causal, p, rng = a
+    _, q, k, v, mask, scale, causal, wl, wr, p, rng = a
     how = spec["mutations"][-1]
     # A forward first, so that out / lse are consistent (if it raises, so does this call).
-    out, lse = ops.attention_fwd(q, k, v, mask, scale, causal, p, rng)
+    out, lse = ops.attention_fwd(q, k, v, mask, scale, causal, wl, wr, p, rng)
     g = torch.Generator().manual_seed(7)
 
     def like(t):
@@ -762,7 +779,7 @@ def call_raw(spec):
     write_log(f"  BWD grad_out={describe(grad_out)} grad_lse={describe(grad_lse)} out={describe(out)} "
               f"lse={describe(lse)} mask={describe(mask)} mask_requires_grad={mask_grad}")
     spec["extra_tensors"] = [t for t in (grad_out, grad_lse, out, lse, mask) if isinstance(t, torch.Tensor)]
-    grads = ops.attention_bwd(grad_out, grad_lse, q, k, v, mask, out, lse, scale, causal, p, rng, mask_grad)
+    grads = ops.attention_bwd(grad_out, grad_lse, q, k, v, mask, out, lse, scale, causal, wl, wr, p, rng, mask_grad)
     return dict(result=grads, grad_out=grad_out, grad_lse=grad_lse, out=out, lse=lse, mask=mask,
                 mask_grad=mask_grad)
 
@@ -786,10 +803,10 @@ def check_raw(spec, ctx, failures):
             failures.append("dropout_keep_mask is not a function of its arguments")
         return
     if fn == "op_probs":
-        q, k, mask, scale, causal = a
+        q, k, mask, scale, causal, wl, wr = a
         v, p, rng = k.new_empty((*k.shape[:-1], 0)), 0.0, None
     else:
-        q, k, v, mask, scale, causal, p, rng = a[1:] if fn == "op_bwd" else a
+        q, k, v, mask, scale, causal, wl, wr, p, rng = a[1:] if fn == "op_bwd" else a
     if fn == "op_bwd":
         mask = ctx["mask"]
     # With a meta tensor anywhere the reference runs on the tensors as given: on meta it gives
@@ -805,7 +822,8 @@ def check_raw(spec, ctx, failures):
     vmax = 1.0 if meta else max(1.0, (v.abs().max().item() if v.numel() else 0.0) / (1 - p))
     rmask, mask_leaf = ref_mask(mask, requires_grad=ctx.get("mask_grad", False))
     ins = [t.detach().double().requires_grad_(fn == "op_bwd") for t in (q, k, v)]
-    ref_out, ref_lse, ref_w = attention_reference(*ins, rmask, causal=CAUSAL_NAMES[causal], scale=scale,
+    ref_out, ref_lse, ref_w = attention_reference(*ins, rmask, causal=CAUSAL_NAMES[causal], window=(wl, wr),
+                                                  scale=scale,
                                                   dropout_mask=keep, dropout_p=p)
     if fn == "op_probs":
         compare("weights", result, ref_w, ATOL[q.dtype] + slack + torch.finfo(q.dtype).eps, failures)

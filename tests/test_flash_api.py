@@ -4,7 +4,8 @@ signature and semantics as flash_attn.flash_attn_interface, on the fused kernels
 Semantics pinned here: (batch, seqlen, heads, head_dim) layout; heads a multiple of kv_heads
 (MQA/GQA); causal aligns query i with key i + seqlen_k − seqlen_q (bottom-right); softmax_lse
 (batch, heads, seqlen_q); a row that sees no key gives output 0 and lse −inf; the arguments not
-supported yet raise NotImplementedError instead of being ignored.
+supported yet raise NotImplementedError instead of being ignored. window_size (left, right) keeps
+the keys within left before and right after a query's aligned key (-1: no limit).
 """
 from __future__ import annotations
 
@@ -21,18 +22,25 @@ from attention_ext import flash_attn_func, flash_attn_kvpacked_func, flash_attn_
 TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2)}
 
 
-def reference(q, k, v, causal=False, scale=None):
-    """float64, FlashAttention's definition written out: (out, lse) in its layouts."""
+def reference(q, k, v, causal=False, scale=None, window_size=(-1, -1)):
+    """float64, FlashAttention's definition written out: (out, lse) in its layouts. Query i sits at
+    key i + sk - sq; window (left, right) keeps keys within left before and right after it (-1:
+    no limit); causal sets right to 0."""
     q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = q @ k.transpose(-1, -2) * scale
+    left, right = window_size
     if causal:
-        sq, sk = q.shape[-2], k.shape[-2]
-        i = torch.arange(sq).unsqueeze(-1)
-        j = torch.arange(sk)
-        s = s.masked_fill(j > i + sk - sq, -math.inf)
+        right = 0
+    sq, sk = q.shape[-2], k.shape[-2]
+    diagonal = torch.arange(sq).unsqueeze(-1) + sk - sq
+    j = torch.arange(sk)
+    if right >= 0:
+        s = s.masked_fill(j > diagonal + right, -math.inf)
+    if left >= 0:
+        s = s.masked_fill(j < diagonal - left, -math.inf)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: 0
     return (p @ v).transpose(1, 2), lse
@@ -59,20 +67,25 @@ def test_the_signature_is_flash_attentions():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal,window_size", [(False, (-1, -1)), (True, (-1, -1)), (False, (6, 3)),
+                                                (True, (9, -1)), (False, (-1, 2))],
+                         ids=["full", "causal", "window", "causal_window", "right_only"])
 @pytest.mark.parametrize("sq,sk", [(37, 37), (13, 70), (70, 13)], ids=["square", "fewer_queries", "more_queries"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("d", [32, 80])
-def test_forward_and_gradients_match_the_reference(dtype, causal, sq, sk, heads, kv_heads, d):
+def test_forward_and_gradients_match_the_reference(dtype, causal, window_size, sq, sk, heads, kv_heads, d):
     q, k, v = make(2, sq, sk, heads, kv_heads, d, dtype, requires_grad=True)
-    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    out, lse, probs = flash_attn_func(q, k, v, causal=causal, window_size=window_size, return_attn_probs=True)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = reference(q64, k64, v64, causal=causal)
+    ref_out, ref_lse = reference(q64, k64, v64, causal=causal, window_size=window_size)
     rtol, atol = TOL[dtype]
     assert out.shape == (2, sq, heads, d) and out.dtype == dtype
     torch.testing.assert_close(out.double(), ref_out, rtol=rtol, atol=atol)
     assert lse.shape == (2, heads, sq)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=rtol, atol=atol)
+    assert torch.all(probs[ref_lse.isneginf()] == 0)  # rows that see no key
+    torch.testing.assert_close(probs.sum(-1)[ref_lse.isfinite()].double(),
+                               torch.ones_like(ref_lse[ref_lse.isfinite()]), rtol=rtol, atol=atol)
 
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     got = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
@@ -85,6 +98,7 @@ def test_forward_and_gradients_match_the_reference(dtype, causal, sq, sk, heads,
 def test_gradcheck_in_float64_through_the_fused_kernels():
     q, k, v = make(1, 5, 7, 4, 2, 6, torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda q, k, v: flash_attn_func(q, k, v, causal=True), (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: flash_attn_func(q, k, v, window_size=(2, 1)), (q, k, v))
     assert torch.autograd.gradgradcheck(lambda q, k, v: flash_attn_func(q, k, v), (q, k, v))
 
 
@@ -143,8 +157,6 @@ def test_compiles_fullgraph():
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    ({"window_size": (4, 0)}, NotImplementedError, r"sliding windows .* not supported yet"),
-    ({"window_size": (-1, 3)}, NotImplementedError, r"sliding windows .* not supported yet"),
     ({"window_size": (-2, 0)}, ValueError, r"window_size values must be -1 \(unbounded\) or >= 0"),
     ({"window_size": 5}, TypeError, r"window_size must be a pair of ints"),
     ({"softcap": 30.0}, NotImplementedError, r"softcap=30.0 is not supported yet"),

@@ -67,12 +67,15 @@ bool use_fused_backward(const AttentionParams& p, int64_t k_owners) {
 constexpr int64_t kDecodeItems = 64;
 constexpr int64_t kMinSplitKeys = 512;
 
+// The ranges cover only the keys some row can see (a sliding window's few, of a long cache).
 void set_decode_splits(AttentionParams& p) {
+  p.split_key_begin = visible_key_tile_begin(p, 0, kBlockN);
+  const int64_t keys = imax(1, visible_key_end(p, 0, p.n) - p.split_key_begin);
   int64_t splits = 1;
   if (p.batch_numel < kDecodeItems)
-    splits = imax(1, imin(ceil_div(kDecodeItems, p.batch_numel), p.m / kMinSplitKeys));
-  p.split_keys = ceil_div(ceil_div(imax(p.m, 1), splits), kBlockN) * kBlockN;
-  p.kv_splits = ceil_div(imax(p.m, 1), p.split_keys);
+    splits = imax(1, imin(ceil_div(kDecodeItems, p.batch_numel), keys / kMinSplitKeys));
+  p.split_keys = ceil_div(ceil_div(keys, splits), kBlockN) * kBlockN;
+  p.kv_splits = ceil_div(keys, p.split_keys);
 }
 
 // The tiled forward, or for few query rows the decode forward (+ merge of its key ranges).
@@ -102,13 +105,15 @@ void run_forward(AttentionParams& p, const at::Tensor& q) {
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v,
                                                  const std::optional<at::Tensor>& attn_mask,
-                                                 double scale, int64_t causal, double dropout_p,
+                                                 double scale, int64_t causal, int64_t window_left,
+                                                 int64_t window_right, double dropout_p,
                                                  const std::optional<at::Tensor>& rng_state) {
+  const Band band{causal, window_left, window_right};
   const AttentionShape shape =
-      check_attention_inputs(q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
+      check_attention_inputs(q, k, v, attn_mask, scale, band, dropout_p, rng_state);
   auto [out, lse] = allocate_forward_outputs(shape, q);
   if (lse.numel() == 0) return {out, lse};
-  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, dropout_p, rng_state);
+  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, band, dropout_p, rng_state);
   p.out = make_ref(out, shape.batch);
   p.lse = make_row_ref(lse, shape.batch);
   run_forward(p, q);
@@ -118,10 +123,12 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
-    const at::Tensor& out, const at::Tensor& lse, double scale, int64_t causal, double dropout_p,
-    const std::optional<at::Tensor>& rng_state, bool mask_requires_grad) {
-  BackwardCall call = prepare_backward(grad_out, grad_lse, q, k, v, attn_mask, out, lse, scale, causal,
-                                       dropout_p, rng_state, mask_requires_grad);
+    const at::Tensor& out, const at::Tensor& lse, double scale, int64_t causal, int64_t window_left,
+    int64_t window_right, double dropout_p, const std::optional<at::Tensor>& rng_state,
+    bool mask_requires_grad) {
+  const Band band{causal, window_left, window_right};
+  BackwardCall call = prepare_backward(grad_out, grad_lse, q, k, v, attn_mask, out, lse, scale,
+                                       band, dropout_p, rng_state, mask_requires_grad);
   at::Tensor &gq = call.grad_q, &gk = call.grad_k, &gv = call.grad_v, &gmask = call.grad_mask;
   if (call.no_rows) return {gq, gk, gv, gmask};
   const AttentionShape& shape = call.shape;
@@ -147,14 +154,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
 }
 
 at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
-                           const std::optional<at::Tensor>& attn_mask, double scale, int64_t causal) {
+                           const std::optional<at::Tensor>& attn_mask, double scale, int64_t causal,
+                           int64_t window_left, int64_t window_right) {
+  const Band band{causal, window_left, window_right};
   // A value tensor with no columns: the forward kernel then computes only the lse.
   const at::Tensor v = empty_value_for(k);
-  const AttentionShape shape = check_attention_inputs(q, k, v, attn_mask, scale, causal, 0.0, {});
-  const auto lse_pair = attention_fwd(q, k, v, attn_mask, scale, causal, 0.0, {});
+  const AttentionShape shape = check_attention_inputs(q, k, v, attn_mask, scale, band, 0.0, {});
+  const auto lse_pair = attention_fwd(q, k, v, attn_mask, scale, causal, window_left, window_right, 0.0, {});
   at::Tensor probs = at::empty(with_tail(shape.batch, {shape.n, shape.m}), q.options());
   if (probs.numel() == 0) return probs;
-  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, causal, 0.0, {});
+  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, band, 0.0, {});
   const at::Tensor& lse = std::get<1>(lse_pair);
   p.lse = make_row_ref(lse, shape.batch);
   const auto row_shift = attach_row_shift(p, lse, shape);

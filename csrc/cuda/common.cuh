@@ -67,7 +67,6 @@ struct DevCtx {
   A scale_log2;   // scale * log2(e)
   A inv_keep;     // 1 / (1 - p)
   A mask_lowest;  // lowest_finite(dtype): additive-mask entries at or below it mask the key
-  int64_t shift;
   uint64_t seed, offset;
   bool dropout;
 
@@ -75,7 +74,6 @@ struct DevCtx {
       : scale_log2(static_cast<A>(p.scale * kLog2e)),
         inv_keep(static_cast<A>(1.0 / (1.0 - p.dropout_p))),
         mask_lowest(static_cast<A>(lowest_finite(p.dtype))),
-        shift(causal_shift(p)),
         seed(p.seed),
         offset(p.offset),
         dropout(p.dropout_p > 0.0) {
@@ -99,7 +97,7 @@ struct DevCtx {
       const uint8_t* mask = static_cast<const uint8_t*>(p.mask.data);
       if (!mask[mask_base + i * p.mask.row_stride + j * p.mask.col_stride]) x = neg_inf<A>();
     }
-    if (p.causal != CausalKind::kNone && !causally_visible(i, j, shift)) x = neg_inf<A>();
+    if (has_band(p) && !key_visible(p, i, j)) x = neg_inf<A>();
     return x;
   }
 

@@ -126,14 +126,14 @@ __global__ void __launch_bounds__(kThreads) bwd_kv_kernel(const __grid_constant_
 #pragma unroll
     for (int t = 0; t < NACC; ++t) acc_k[t] = acc_v[t] = A(0);
     int64_t idx[kMaxBatchDims];
-    const int64_t row_begin = first_row_seeing(p, j0) / kBM * kBM;
+    const int64_t row_begin = first_row_seeing(p, j0) / kBM * kBM, row_end = rows_seeing_end(p, j0 + cols);
     for (int64_t bc = 0; bc < split.num_bcast; ++bc) {
       split.index(p, owner, bc, idx);
       const int64_t b = ravel_batch(p, idx);
       const T* q = static_cast<const T*>(p.q.data) + batch_offset(p, p.q, idx) + c0 * p.q.col_stride;
       const T* dout = static_cast<const T*>(p.grad_out.data) + batch_offset(p, p.grad_out, idx) +
                       c0 * p.grad_out.col_stride;
-      for (int64_t i0 = row_begin; i0 < p.n; i0 += kBM) {
+      for (int64_t i0 = row_begin; i0 < row_end; i0 += kBM) {
         const int64_t rows = imin(kBM, p.n - i0);
         A pz[8], ds[8];
         score_gradient<T>(p, ctx, idx, b, i0, rows, j0, cols, Xs, Ys, r, g, pz, ds);
@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kThreads) bwd_q_kernel(const __grid_constant__
       split.index(p, owner, bc, idx);
       const int64_t b = ravel_batch(p, idx);
       const T* k = static_cast<const T*>(p.k.data) + batch_offset(p, p.k, idx) + c0 * p.k.col_stride;
-      for (int64_t j0 = 0; j0 < key_end; j0 += kBN) {
+      for (int64_t j0 = visible_key_tile_begin(p, i0, kBN); j0 < key_end; j0 += kBN) {
         const int64_t cols = imin(kBN, p.m - j0);
         A pz[8], ds[8];
         score_gradient<T>(p, ctx, idx, b, i0, rows, j0, cols, Xs, Ys, r, g, pz, ds);
@@ -283,6 +283,7 @@ __global__ void __launch_bounds__(kThreads) bwd_mask_kernel(const __grid_constan
     const int64_t q_begin = rows_bcast ? 0 : rt * kBM;
     const int64_t q_end = rows_bcast ? p.n : imin(p.n, q_begin + kBM);
     const int64_t kt_begin = cols_bcast ? 0 : ct, kt_end = cols_bcast ? n_kt : ct + 1;
+    const int64_t key_begin = visible_key_tile_begin(p, q_begin, kBN);
     const int64_t key_end = visible_key_end(p, q_begin, q_end - q_begin);
     int64_t idx[kMaxBatchDims];
     split.index(p, owner, 0, idx);
@@ -291,6 +292,7 @@ __global__ void __launch_bounds__(kThreads) bwd_mask_kernel(const __grid_constan
     for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
       const int64_t j0 = kt * kBN;
       if (j0 >= key_end) break;  // invisible keys: gradient stays 0 (uniform over the CTA)
+      if (j0 < key_begin) continue;
       const int64_t cols = imin(kBN, p.m - j0);
       A gacc[8];
 #pragma unroll
@@ -299,7 +301,7 @@ __global__ void __launch_bounds__(kThreads) bwd_mask_kernel(const __grid_constan
       for (int64_t bc = 0; bc < split.num_bcast; ++bc) {
         split.index(p, owner, bc, idx);
         const int64_t b = ravel_batch(p, idx);
-        for (int64_t i0 = i_first; i0 < q_end; i0 += kBM) {
+        for (int64_t i0 = i_first; i0 < imin(q_end, rows_seeing_end(p, j0 + cols)); i0 += kBM) {
           const int64_t rows = imin(kBM, q_end - i0);
           A pz[8], ds[8];
           score_gradient<T>(p, ctx, idx, b, i0, rows, j0, cols, Xs, Ys, r, g, pz, ds);

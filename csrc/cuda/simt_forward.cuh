@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
     for (int t = 0; t < 8; ++t) o[t] = A(0);
 
     const int64_t key_end = visible_key_end(p, i0, rows);
-    for (int64_t j0 = 0; j0 < key_end; j0 += kBN) {
+    for (int64_t j0 = visible_key_tile_begin(p, i0, kBN); j0 < key_end; j0 += kBN) {
       const int64_t cols = imin(kBN, p.m - j0);
       A s[8];
       tile_logits(s, p, ctx, Qs, Ks, q, i0, rows, k + j0 * p.k.row_stride, j0, cols, mask_base, r, g);

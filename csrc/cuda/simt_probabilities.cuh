@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(kThreads) probs_kernel(const __grid_constant__
     const int64_t rows = imin(kBM, p.n - i0), cols = imin(kBN, p.m - j0);
     const int64_t i = i0 + r;
     A s[8];
-    if (j0 < visible_key_end(p, i0, rows)) {  // uniform over the CTA
+    if (j0 >= visible_key_tile_begin(p, i0, kBN) && j0 < visible_key_end(p, i0, rows)) {  // uniform over the CTA
       const T* q = static_cast<const T*>(p.q.data) + batch_offset(p, p.q, idx) + i0 * p.q.row_stride;
       const T* k = static_cast<const T*>(p.k.data) + batch_offset(p, p.k, idx) + j0 * p.k.row_stride;
       const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);

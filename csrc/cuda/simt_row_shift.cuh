@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kThreads) row_shift_kernel(const __grid_consta
     const int64_t key_end = visible_key_end(p, i0, rows);
     A row_max = ninf, row_sum = A(0);
     for (int pass = 0; pass < 2; ++pass) {
-      for (int64_t j0 = 0; j0 < key_end; j0 += kBN) {
+      for (int64_t j0 = visible_key_tile_begin(p, i0, kBN); j0 < key_end; j0 += kBN) {
         const int64_t cols = imin(kBN, p.m - j0);
         A s[8];
         tile_logits(s, p, ctx, Qs, Ks, q, i0, rows, k + j0 * p.k.row_stride, j0, cols, mask_base, r, g);

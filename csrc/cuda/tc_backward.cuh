@@ -108,8 +108,8 @@ __global__ void __launch_bounds__(kThreads) bwd_kv_kernel(const __grid_constant_
     split.index(p, owner, 0, idx);
     const T* k = static_cast<const T*>(p.k.data) + batch_offset(p, p.k, idx) + j0 * p.k.row_stride;
     const T* v = static_cast<const T*>(p.v.data) + batch_offset(p, p.v, idx) + j0 * p.v.row_stride;
-    const int64_t row_begin = first_row_seeing(p, j0) / kTile * kTile;
-    const int64_t n_qt = row_begin < p.n ? ceil_div(p.n - row_begin, kTile) : 0;
+    const int64_t row_begin = first_row_seeing(p, j0) / kTile * kTile, row_end = rows_seeing_end(p, j0 + cols);
+    const int64_t n_qt = row_begin < row_end ? ceil_div(row_end - row_begin, kTile) : 0;
 
     float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kv_kernel(const __grid_constant_
         const float* hib = rowv + buf * 3 * kTile;
         const float* lob = hib + kTile;
         const float* deltab = hib + 2 * kTile;
-        const bool interior = interior_tile<kTile, kTile>(p, i0, rows, j0, cols, ctx.shift);
+        const bool interior = interior_tile<kTile, kTile>(p, i0, rows, j0, cols);
 
 #pragma unroll 1
         for (int qc = 0; qc < kTile; qc += QC) {
@@ -250,8 +250,8 @@ __global__ void __launch_bounds__(kThreads) bwd_q_kernel(const __grid_constant__
     const int64_t qt = item % n_qt, owner = item / n_qt;
     const int64_t i0 = qt * kTile, rows = imin(kTile, p.n - i0);
     const int rl0 = warp * 16 + g;  // this thread's rows in the tile: rl0, rl0 + 8
-    const int64_t key_end = visible_key_end(p, i0, rows);
-    const int64_t n_kt = ceil_div(key_end, kTile);
+    const int64_t key_begin = visible_key_tile_begin(p, i0, kTile), key_end = visible_key_end(p, i0, rows);
+    const int64_t n_kt = key_end > key_begin ? ceil_div(key_end - key_begin, kTile) : 0;
     int64_t idx[kMaxBatchDims];
 
     float dq[D / 8][4];
@@ -291,14 +291,14 @@ __global__ void __launch_bounds__(kThreads) bwd_q_kernel(const __grid_constant__
       load_tile_async<T, D>(Qs, q, p.q.row_stride, rows, tid);
       load_tile_async<T, D>(dOs, dout, p.grad_out.row_stride, rows, tid);
       if (n_kt > 0) {
-        const int64_t cols = imin(kTile, p.m);
-        load_tile_async<T, D>(Ks, k, p.k.row_stride, cols, tid);
-        load_tile_async<T, D>(Vs, v, p.v.row_stride, cols, tid);
+        const int64_t cols = imin(kTile, p.m - key_begin);
+        load_tile_async<T, D>(Ks, k + key_begin * p.k.row_stride, p.k.row_stride, cols, tid);
+        load_tile_async<T, D>(Vs, v + key_begin * p.v.row_stride, p.v.row_stride, cols, tid);
       }
       cp_async_commit();
 
       for (int64_t t = 0; t < n_kt; ++t) {
-        const int64_t j0 = t * kTile, cols = imin(kTile, p.m - j0);
+        const int64_t j0 = key_begin + t * kTile, cols = imin(kTile, p.m - j0);
         const int buf = static_cast<int>(t & 1);
         cp_async_wait<0>();
         __syncthreads();
@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(kThreads) bwd_q_kernel(const __grid_constant__
         cp_async_commit();
         const T* Kb = Ks + buf * kTile * D;
         const T* Vb = Vs + buf * kTile * D;
-        const bool interior = interior_tile<kTile, kTile>(p, i0, rows, j0, cols, ctx.shift);
+        const bool interior = interior_tile<kTile, kTile>(p, i0, rows, j0, cols);
 
 #pragma unroll 1
         for (int kc = 0; kc < kTile; kc += KC) {

@@ -95,9 +95,9 @@ __device__ __forceinline__ void store_acc_row(const float (&acc)[D / 8][4], int 
 // j0 (cols in range) is in range, unmasked and visible: then a logit is just the scaled score.
 template <int BM, int BN>
 __device__ __forceinline__ bool interior_tile(const AttentionParams& p, int64_t i0, int64_t rows, int64_t j0,
-                                              int64_t cols, int64_t shift) {
+                                              int64_t cols) {
   return p.mask_kind == MaskKind::kNone && rows == BM && cols == BN &&
-         (p.causal == CausalKind::kNone || j0 + BN - 1 <= i0 + shift);
+         (!has_band(p) || tile_inside_band(p, i0, BM, j0, BN));
 }
 
 // Rows of t are 16-byte aligned runs of contiguous elements (what cp.async copies).

@@ -142,9 +142,10 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
     const T* v = static_cast<const T*>(p.v.data) + batch_offset(p, p.v, idx);
     const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);
     // Keys [k_begin, k_stop): all visible ones, or this item's range of them (split-KV).
-    const int64_t key_end = visible_key_end(p, i0, rows);
-    const int64_t k_begin = n_splits == 1 ? 0 : split * p.split_keys;
-    const int64_t k_stop = n_splits == 1 ? key_end : imin(key_end, k_begin + p.split_keys);
+    const int64_t key_begin = visible_key_tile_begin(p, i0, BN), key_end = visible_key_end(p, i0, rows);
+    const int64_t range_begin = p.split_key_begin + split * p.split_keys;
+    const int64_t k_begin = n_splits == 1 ? key_begin : imax(key_begin, range_begin);
+    const int64_t k_stop = n_splits == 1 ? key_end : imin(key_end, range_begin + p.split_keys);
     const int64_t n_tiles = k_stop > k_begin ? ceil_div(k_stop - k_begin, BN) : 0;
 
     // The previous item's copies have landed and its readers of every buffer are done.
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
         }
       }
 
-      const bool interior = interior_tile<BM, BN>(p, i0, rows, j0, cols, ctx.shift);
+      const bool interior = interior_tile<BM, BN>(p, i0, rows, j0, cols);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int64_t ia = i0 + wr0 + 16 * mt + g;
@@ -337,11 +338,15 @@ inline void plan_kv_splits(AttentionParams& p) {
       return;
     const int64_t ctas = p.batch_numel * ceil_div(p.n, kBlockRows);
     if (ctas >= sms) return;
-    splits = imin(ceil_div(2 * static_cast<int64_t>(sms), ctas), p.m / kMinSplitKeys);
+    splits = imin(ceil_div(2 * static_cast<int64_t>(sms), ctas),
+                  (visible_key_end(p, 0, p.n) - visible_key_begin(p, 0)) / kMinSplitKeys);
   }
   if (splits <= 1) return;
-  p.split_keys = ceil_div(ceil_div(p.m, splits), kTile) * kTile;
-  p.kv_splits = ceil_div(p.m, p.split_keys);
+  // The ranges cover only the keys some row can see (a sliding window's few, of a long cache).
+  p.split_key_begin = visible_key_tile_begin(p, 0, kTile);
+  const int64_t keys = imax(1, visible_key_end(p, 0, p.n) - p.split_key_begin);
+  p.split_keys = ceil_div(ceil_div(keys, splits), kTile) * kTile;
+  p.kv_splits = ceil_div(keys, p.split_keys);
   if (p.kv_splits == 1) p.split_keys = 0;
 }
 

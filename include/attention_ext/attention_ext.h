@@ -42,6 +42,14 @@ inline namespace api {
 // With attn_mask too, a key takes part only if both allow it.
 enum class Causal { kNone = 0, kTopLeft = 1, kBottomRight = 2 };
 
+// Sliding window (FlashAttention's window_size), aligned bottom-right: key j visible to query i
+// iff i + m - n - left <= j <= i + m - n + right; -1 leaves that side unbounded. Combined with a
+// causal kind (right becomes 0); with kTopLeft only when n == m.
+struct Window {
+  int64_t left = -1;
+  int64_t right = -1;
+};
+
 // softmax(q kᵀ · scale + mask) v and the row logsumexp lse (..., n) of the masked scaled scores
 // (float64 for float64 inputs, float32 otherwise; -inf for a row where no key takes part).
 // attn_mask: bool (True = the key takes part) or the query's dtype (added to the scores), any
@@ -54,7 +62,7 @@ ATTENTION_EXT_API std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& attn_mask = {}, std::optional<double> scale = {},
     Causal causal = Causal::kNone, double dropout_p = 0.0,
-    const std::optional<at::Tensor>& rng_state = {});
+    const std::optional<at::Tensor>& rng_state = {}, Window window = {});
 
 // Gradients of attention_forward: returns (grad_q, grad_k, grad_v, grad_mask) with the shapes
 // of q, k, v and attn_mask. grad_mask is computed only when mask_requires_grad (needs a floating
@@ -66,7 +74,8 @@ ATTENTION_EXT_API std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> att
     const std::optional<at::Tensor>& attn_mask = {}, std::optional<double> scale = {},
     Causal causal = Causal::kNone, double dropout_p = 0.0,
     const std::optional<at::Tensor>& rng_state = {},
-    const std::optional<at::Tensor>& grad_lse = {}, bool mask_requires_grad = false);
+    const std::optional<at::Tensor>& grad_lse = {}, bool mask_requires_grad = false,
+    Window window = {});
 
 // Drop-in for at::scaled_dot_product_attention (forward only): same arguments and semantics,
 // except that rows where no key takes part give 0 instead of NaN. is_causal means top-left
@@ -83,7 +92,8 @@ ATTENTION_EXT_API at::Tensor scaled_dot_product_attention(
 ATTENTION_EXT_API at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k,
                                                const std::optional<at::Tensor>& attn_mask = {},
                                                std::optional<double> scale = {},
-                                               Causal causal = Causal::kNone);
+                                               Causal causal = Causal::kNone,
+                                               Window window = {});
 
 // "key=value" lines: torch version built against, compiler, OpenMP, CPU kernel variants, CUDA.
 ATTENTION_EXT_API std::string build_info();
