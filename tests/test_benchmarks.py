@@ -72,3 +72,19 @@ def test_cpu_fma_peak_probe_counts_its_flops():
     assert gflops > 0 and long > 3 * short
     with pytest.raises(RuntimeError, match="iterations must be positive"):
         torch.ops.attention_ext.cpu_fma_peak_gflops(0)
+
+
+@pytest.mark.slow_on_emulation
+def test_window_benchmark_writes_a_row_per_window_and_mode(tmp_path):
+    prefix = tmp_path / "window"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_window.py"), "--length", "160",
+                           "--heads", "1", "--d", "16", "--windows", "8,full", "--reps", "1", "--out", str(prefix)],
+                          capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "window.json").read_text())
+    assert [(r["window"], r["mode"]) for r in result["rows"]] == [(8, "fwd"), (8, "fwdbwd"), (None, "fwd"),
+                                                                  (None, "fwdbwd")]
+    # visible pairs of a causal window (8, 0) over 160 queries: 1 + 2 + ... + 9, then 9 per row
+    assert result["rows"][0]["visible_pairs"] == 45 + 9 * 151
+    assert result["rows"][2]["visible_pairs"] == 160 * 161 // 2
+    assert "| 8 | fwd |" in (tmp_path / "window.md").read_text()

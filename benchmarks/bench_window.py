@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""Sliding-window attention: time against window size, ours vs torch.
+
+Run as `python benchmarks/bench_window.py [--length L] [--windows 64,256,...]` from a checkout
+with an in-place build (or anywhere with an installed attention_ext). For each window w it times
+attention(q, k, v, causal="bottom_right", window=(w, 0)) — Mistral's causal sliding window, the
+kernels skipping the key tiles outside it — against torch's scaled_dot_product_attention given the
+same band as a bool mask (torch has no window argument: that is how a window reaches it), forward
+and forward+backward, candidates interleaved as in bench.py. FLOPs count only the visible
+(query, key) pairs, so GFLOP/s and % of the machine's FMA peak (measured in the same run) say
+how well the visible work runs; ms shows the cost following the window (O(n·w), not O(n²)).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402  (its machine measurements and naming)
+
+import attention_ext  # noqa: E402
+
+
+def visible_pairs(n, m, window):
+    """(query, key) pairs inside the causal window (left = window, right = 0, bottom-right)."""
+    i = torch.arange(n, dtype=torch.int64)
+    diag = i + (m - n)
+    hi = diag.clamp(max=m - 1)
+    lo = (diag - window).clamp(min=0) if window is not None else torch.zeros_like(diag)
+    return int((hi - lo + 1).clamp(min=0).sum())
+
+
+def band_mask(n, m, window):
+    diag = torch.arange(n).unsqueeze(-1) + (m - n)
+    j = torch.arange(m)
+    visible = j <= diag
+    if window is not None:
+        visible &= j >= diag - window
+    return visible
+
+
+def time_interleaved(steps, reps, warmup):
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    samples = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def run(length, heads, d, windows, dtype, reps, warmup):
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(1, heads, length, d, generator=g).to(dtype) for _ in range(4))
+    rows = []
+    for window in windows:
+        mask = band_mask(length, length, window)
+        pairs = visible_pairs(length, length, window)
+        for mode in ("fwd", "fwdbwd"):
+            def ours():
+                return attention_ext.attention(q, k, v, causal="bottom_right", window=(window, 0))
+
+            def torch_masked():
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+            steps = {}
+            for name, fn in (("ours", ours), ("torch", torch_masked)):
+                if mode == "fwd":
+                    def step(fn=fn):
+                        with torch.no_grad():
+                            fn()
+                else:
+                    def step(fn=fn):
+                        for t in (q, k, v):
+                            t.grad = None
+                        fn().backward(go)
+                steps[name] = step
+            for t in (q, k, v):
+                t.requires_grad_(mode == "fwdbwd")
+            med = time_interleaved(steps, reps, warmup)
+            flops = 4.0 * heads * pairs * d * (1.0 if mode == "fwd" else 3.5)
+            row = {"window": window, "mode": mode, "visible_pairs": pairs,
+                   "ms": {c: t * 1e3 for c, t in med.items()},
+                   "gflops": {c: flops / t / 1e9 for c, t in med.items()},
+                   "torch_over_ours": med["torch"] / med["ours"]}
+            rows.append(row)
+            print(f"window {str(window):>5s} {mode:6s} ours {row['ms']['ours']:8.1f} ms  torch+mask "
+                  f"{row['ms']['torch']:8.1f} ms  torch/ours {row['torch_over_ours']:.2f}", flush=True)
+    return rows
+
+
+def render(meta, rows):
+    peak = meta["fma_peak_gflops"]
+    lines = [f"# Sliding-window attention, {meta['dtype']}, {meta['cpu']}", "",
+             f"torch {meta['torch']}, {meta['threads']} threads, kernel variant {meta['variant']}; measured FMA peak "
+             f"{peak:.0f} GFLOP/s (same run; {meta['fma_peak_gflops_start_end'][0]:.0f} before the timings, "
+             f"{meta['fma_peak_gflops_start_end'][1]:.0f} after). Shape (1, {meta['heads']}, {meta['length']}, {meta['length']}, "
+             f"{meta['d']}), causal window (w, 0); torch gets the same band as a bool attn_mask. GFLOP/s count the "
+             "visible pairs only (backward 2.5x forward).", "",
+             f"Command: `{meta['command']}`", "",
+             "| window w | mode | ours ms | torch + mask ms | torch / ours | ours GFLOP/s | % of peak |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        w = "full (causal)" if r["window"] is None else str(r["window"])
+        lines.append(f"| {w} | {r['mode']} | {r['ms']['ours']:.1f} | {r['ms']['torch']:.1f} | "
+                     f"{r['torch_over_ours']:.2f} | {r['gflops']['ours']:.1f} | {100 * r['gflops']['ours'] / peak:.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--windows", default="64,256,1024,full", help="comma-separated; 'full' = causal, no window")
+    ap.add_argument("--dtype", choices=list(bench.DTYPES), default="float32")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
+    a = ap.parse_args(argv)
+    windows = [None if w == "full" else int(w) for w in a.windows.split(",")]
+    peak = bench.measure_fma_peak()
+    meta = {"cpu": bench.cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "variant": attention_ext.cpu_variant(), "fma_peak_gflops": peak["gflops"], "dtype": a.dtype,
+            "length": a.length, "heads": a.heads, "d": a.d,
+            "command": "python benchmarks/bench_window.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    print(f"{meta['cpu']}: FMA peak {peak['gflops']:.0f} GFLOP/s on {meta['threads']} threads", flush=True)
+    rows = run(a.length, a.heads, a.d, windows, bench.DTYPES[a.dtype], a.reps, a.warmup)
+    # Measured again after the timings: a shared machine's capacity drifts, and a peak taken
+    # while a neighbour was busy would overstate every % below. The larger of the two is used.
+    peak_after = bench.measure_fma_peak()["gflops"]
+    meta["fma_peak_gflops_start_end"] = [peak["gflops"], peak_after]
+    meta["fma_peak_gflops"] = max(peak["gflops"], peak_after)
+    text = render(meta, rows)
+    print(text)
+    if a.out:
+        with open(a.out + ".md", "w") as f:
+            f.write(text)
+        with open(a.out + ".json", "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
