@@ -165,7 +165,8 @@ def check(args) -> int:
 
             def opcheck_case():
                 q, k, v = make((2, 5, 4), (2, 7, 4), (2, 7, 3))
-                torch.library.opcheck(torch.ops.attention_ext.attention_fwd, (q, k, v, None, 0.5, 1, -1, -1, 0.0, None))
+                torch.library.opcheck(torch.ops.attention_ext.attention_fwd, (q, k, v, None, 0.5, 1, -1, -1, 0.0, None,
+                                                                                None, 0.0, None))
                 return True
 
             record(f"{device} opcheck attention_fwd", opcheck_case)

@@ -13,6 +13,7 @@ a call that passes costs about a microsecond per ten rules (decode-sized calls n
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -98,13 +99,38 @@ def band_rules(check: Check, causal, window_left, window_right, n, m) -> None:
           f"queries ({n}) and keys ({m}) differ in number; use bottom-right causal")
 
 
-def op_rules(check: Check, query, key, value, attn_mask, scale, causal, window_left, window_right, dropout_p,
-             rng_state) -> None:
+def softcap_rules(check: Check, softcap: float) -> None:
+    check(math.isfinite(softcap) and softcap >= 0.0, ValueError,
+          lambda: f"softcap must be a finite number >= 0 (0: none), got {softcap}")
+
+
+def per_head_rules(check: Check, values: torch.Tensor, name: str, dtype: torch.dtype, query: torch.Tensor,
+                   batch) -> None:
+    """One value per batch position (per head: ALiBi slopes, float32; sinks, the lse's dtype): a
+    shape broadcasting to the batch dims."""
+    check(values.dtype == dtype, TypeError,
+          lambda: f"{name} must be {dtype} for {query.dtype} inputs, got {values.dtype}")
+    check(values.device == query.device, ValueError, lambda: f"{name} must be on {query.device}, got {values.device}")
+    shape = tuple(values.shape)
+    check(len(shape) <= len(batch) and all(s == 1 or s == b for s, b in zip(reversed(shape), reversed(batch))),
+          ValueError, lambda: f"{name} of shape {shape} does not broadcast to the batch dims {tuple(batch)} "
+          "(one value per head: (heads,) or (batch, heads) for (batch, heads, n, d) inputs)")
+
+
+def op_rules(check: Check, query, key, value, attn_mask, scale, causal, window_left, window_right, softcap,
+             alibi_slopes, sinks, dropout_p, rng_state) -> None:
     """Every rule of one op call (attention_fwd / attention_bwd / attention_probs; value None for
     the last), with causal as the ops take it: an integer code."""
     qkv_rules(check, query, key, value)
     scale_rules(check, scale, query.dtype)
     band_rules(check, causal, window_left, window_right, query.shape[-2], key.shape[-2])
+    softcap_rules(check, softcap)
+    if alibi_slopes is not None or sinks is not None:
+        batch = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], *(() if value is None else (value.shape[:-2],)))
+        if alibi_slopes is not None:
+            per_head_rules(check, alibi_slopes, "alibi_slopes", torch.float32, query, batch)
+        if sinks is not None:
+            per_head_rules(check, sinks, "sinks", lse_dtype(query.dtype), query, batch)
     dropout_rules(check, dropout_p)
     if dropout_p > 0.0:
         rng_state_rules(check, rng_state, query.device)

@@ -22,14 +22,17 @@ def _check(cond, message):
     torch._check(cond, lambda: _arguments.PREFIX + message)
 
 
-def _check_fake_inputs(query, key, value, attn_mask, scale, causal, window_left, window_right, dropout_p, rng_state):
+def _check_fake_inputs(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
+                       sinks, dropout_p, rng_state):
     _arguments.op_rules(_arguments.check_traced, query, key, value, attn_mask, scale, causal, window_left,
-                        window_right, dropout_p, rng_state)
+                        window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state)
 
 
 @torch.library.register_fake("attention_ext::attention_fwd")
-def _attention_fwd_fake(query, key, value, attn_mask, scale, causal, window_left, window_right, dropout_p, rng_state):
-    _check_fake_inputs(query, key, value, attn_mask, scale, causal, window_left, window_right, dropout_p, rng_state)
+def _attention_fwd_fake(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
+                        sinks, dropout_p, rng_state):
+    _check_fake_inputs(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
+                       sinks, dropout_p, rng_state)
     batch = _batch_shape(query, key, value)
     n, dv = query.shape[-2], value.shape[-1]
     out = query.new_empty((*batch, n, dv))
@@ -39,8 +42,9 @@ def _attention_fwd_fake(query, key, value, attn_mask, scale, causal, window_left
 
 @torch.library.register_fake("attention_ext::attention_bwd")
 def _attention_bwd_fake(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal, window_left,
-                        window_right, dropout_p, rng_state, mask_requires_grad):
-    _check_fake_inputs(query, key, value, attn_mask, scale, causal, window_left, window_right, dropout_p, rng_state)
+                        window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state, mask_requires_grad):
+    _check_fake_inputs(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
+                       sinks, dropout_p, rng_state)
     for t, name in ((grad_out, "grad_out"), (out, "out"), (lse, "lse")):
         _check(t.device == query.device, f"{name} must be on {query.device}, got {t.device}")
     grad_mask = torch.empty_like(attn_mask, memory_format=torch.contiguous_format) if mask_requires_grad \
@@ -54,8 +58,10 @@ def _attention_bwd_fake(grad_out, grad_lse, query, key, value, attn_mask, out, l
 
 
 @torch.library.register_fake("attention_ext::attention_probs")
-def _attention_probs_fake(query, key, attn_mask, scale, causal, window_left, window_right):
-    _check_fake_inputs(query, key, None, attn_mask, scale, causal, window_left, window_right, 0.0, None)
+def _attention_probs_fake(query, key, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
+                          sinks):
+    _check_fake_inputs(query, key, None, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
+                       sinks, 0.0, None)
     batch = _batch_shape(query, key)
     return query.new_empty((*batch, query.shape[-2], key.shape[-2]))
 

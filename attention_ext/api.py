@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 import torch.autograd.forward_ad as _forward_ad  # its _current_level: whether a dual level is open
 
-from ._arguments import band_rules, dropout_rules, enforce, mask_rules, qkv_rules, scale_rules
-from ._constants import CAUSAL_CODES
+from ._arguments import band_rules, dropout_rules, enforce, mask_rules, per_head_rules, qkv_rules, scale_rules
+from ._constants import CAUSAL_CODES, lse_dtype
 from ._ops import ops
 from .function import AttentionFunction, AttentionWeightsFunction, _below_autograd
 
@@ -124,6 +124,47 @@ def _check_window(window):
             raise ValueError(f"attention_ext: window {side} bound must be >= 0 (or None / -1 for unbounded), got {b}")
         bounds.append(int(b))
     return bounds[0], bounds[1]
+
+
+def _check_softcap(softcap):
+    """softcap=None (or 0.0, FlashAttention's "none") or a finite number > 0 -> the ops' float."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"attention_ext: softcap must be a number or None, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0.0):
+        raise ValueError(f"attention_ext: softcap must be a finite number > 0 (or None / 0.0 for none), got {softcap}")
+    return softcap
+
+
+def _check_per_head(values, name, query, batch, gqa_heads):
+    """alibi_slopes / sinks: a tensor of one value per head, any shape broadcasting to the batch dims
+    ((heads,), (batch, heads)); with enable_gqa's split of the query heads into (kv_heads, groups), a
+    per-query-head last dim splits alike. Slopes are constants (float32): a gradient into them is
+    refused rather than dropped. Sinks take any float dtype, converted (differentiably) to the lse's."""
+    if values is None:
+        return None
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"attention_ext: {name} must be a torch.Tensor or None, got {type(values).__name__}")
+    if name == "alibi_slopes":
+        if values.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError("attention_ext: gradients into alibi_slopes are not supported (they are "
+                                      "constants, as in FlashAttention); pass alibi_slopes.detach()")
+        dtype = torch.float32
+    else:
+        if values.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"attention_ext: sinks must be a floating tensor, got {values.dtype}")
+        dtype = lse_dtype(query.dtype)
+        values = values.to(dtype)
+    if gqa_heads is not None and values.dim() >= 1:
+        hk, groups = query.shape[-4], query.shape[-3]
+        if values.shape[-1] == gqa_heads:
+            values = values.unflatten(-1, (hk, groups))
+        elif values.shape[-1] == 1:
+            values = values.unsqueeze(-1)
+    per_head_rules(enforce, values, name, dtype, query, batch)
+    return values
 
 
 def _causal_bias_kind(attn_mask):
@@ -260,18 +301,23 @@ def _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa):
     return query, key, value, attn_mask, scale, dropout_p, heads
 
 
-def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, window=(-1, -1)):
+def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, window=(-1, -1), softcap=0.0,
+         alibi_slopes=None, sinks=None):
     query, key, value, attn_mask, scale, dropout_p, heads = _prepare(
         query, key, value, attn_mask, scale, dropout_p, enable_gqa)
     band_rules(enforce, CAUSAL_CODES[causal], *window, query.shape[-2], key.shape[-2])
+    batch = _broadcast_batch(query, key, value)
+    alibi_slopes = _check_per_head(alibi_slopes, "alibi_slopes", query, batch, heads)
+    sinks = _check_per_head(sinks, "sinks", query, batch, heads)
     # The kernels own dK/dV per key position, so K and V must broadcast alike: expand (a view).
     if key.shape[:-2] != value.shape[:-2]:
         kv_batch = _broadcast_shapes(key.shape[:-2], value.shape[:-2])
         key = key.expand(*kv_batch, *key.shape[-2:])
         value = value.expand(*kv_batch, *value.shape[-2:])
     rng_state = draw_rng_state(query.device) if dropout_p > 0 else None
-    args = (query, key, value, attn_mask, scale, CAUSAL_CODES[causal], *window, dropout_p, rng_state)
-    out, lse = _call(ops.attention_fwd, AttentionFunction, args, query, key, value, attn_mask)
+    args = (query, key, value, attn_mask, scale, CAUSAL_CODES[causal], *window, softcap, alibi_slopes, sinks,
+            dropout_p, rng_state)
+    out, lse = _call(ops.attention_fwd, AttentionFunction, args, query, key, value, attn_mask, sinks)
     if heads is not None:
         out = out.flatten(-4, -3)
         lse = lse.flatten(-3, -2)
@@ -299,38 +345,50 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return out
 
 
-def attention(query, key, value, *, attn_mask=None, causal: Optional[str] = None, window=None, scale=None,
-              dropout_p=0.0, enable_gqa=False, return_lse=False):
+def attention(query, key, value, *, attn_mask=None, causal: Optional[str] = None, window=None, softcap=None,
+              alibi_slopes=None, sinks=None, scale=None, dropout_p=0.0, enable_gqa=False, return_lse=False):
     """Extended API. causal: None, "top_left" (torch's is_causal) or "bottom_right"
     (FlashAttention's; key j visible to query i iff j <= i + m - n); unlike the drop-in, causal
     and attn_mask may be combined (a key takes part only if both allow it). window=(left, right):
     a sliding window, key j visible to query i iff i + m - n - left <= j <= i + m - n + right
     (bottom-right aligned like FlashAttention's window_size; None for an unbounded side); tiles
-    outside it are skipped, so a window w costs O(n·w). With return_lse=True returns
+    outside it are skipped, so a window w costs O(n·w). Score modifiers, on the scaled score t
+    before any mask: softcap > 0 makes it softcap·tanh(t / softcap) (Gemma 2), alibi_slopes (float32,
+    one per head, broadcasting to the leading dims: (heads,) or (batch, heads)) then add
+    -slope·|i + m - n - j| (ALiBi; no gradient into the slopes). sinks (one logit per head, same
+    broadcasting; differentiable): each row's softmax gains one more, always visible, key of that
+    logit and value 0 (GPT-OSS's attention sinks); the lse includes it. With return_lse=True returns
     (out, lse), lse (..., n) the natural-log logsumexp of each row's scores (-inf for a row where
     no key takes part), float32 for float16/bfloat16/float32 inputs and float64 for float64; it
     is differentiable too."""
     _check_causal(causal)
     window = _check_window(window)
-    out, lse = _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, window)
+    softcap = _check_softcap(softcap)
+    out, lse = _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, window, softcap, alibi_slopes,
+                    sinks)
     return (out, lse) if return_lse else out
 
 
-def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = None, window=None, scale=None,
-                      enable_gqa=False):
+def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = None, window=None, softcap=None,
+                      alibi_slopes=None, sinks=None, scale=None, enable_gqa=False):
     """The exact attention probabilities W (..., n, m): rows sum to 1, masked entries are 0, rows
-    with no visible key are all 0. causal and window as in attention(). Differentiable in reverse
-    and forward mode (both composed in torch ops from W)."""
+    with no visible key are all 0 (with sinks: rows sum to 1 minus the sink's weight). causal,
+    window, softcap, alibi_slopes and sinks as in attention().
+    Differentiable in reverse and forward mode (both composed in torch ops from W)."""
     _check_causal(causal)
     window = _check_window(window)
+    softcap = _check_softcap(softcap)
     _check_tensor(query, "query")
     _check_tensor(key, "key")
     # The shared checks, with a value of no columns.
     value = key.new_empty((*key.shape[:-1], 0))
     query, key, value, attn_mask, scale, _, heads = _prepare(query, key, value, attn_mask, scale, 0.0, enable_gqa)
     band_rules(enforce, CAUSAL_CODES[causal], *window, query.shape[-2], key.shape[-2])
-    args = (query, key, attn_mask, scale, CAUSAL_CODES[causal], *window)
-    w = _call(ops.attention_probs, AttentionWeightsFunction, args, query, key, attn_mask)
+    batch = _broadcast_batch(query, key, value)
+    alibi_slopes = _check_per_head(alibi_slopes, "alibi_slopes", query, batch, heads)
+    sinks = _check_per_head(sinks, "sinks", query, batch, heads)
+    args = (query, key, attn_mask, scale, CAUSAL_CODES[causal], *window, softcap, alibi_slopes, sinks)
+    w = _call(ops.attention_probs, AttentionWeightsFunction, args, query, key, attn_mask, sinks)
     if heads is not None:
         w = w.flatten(-4, -3)
     return w

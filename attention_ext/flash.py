@@ -20,8 +20,12 @@ window_size=(left, right) is FlashAttention's sliding window, bottom-right align
 visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1:
 unbounded); causal=True sets right to 0. The kernels skip the key tiles outside the window.
 
-Not supported yet (a clear NotImplementedError, never a silent fallback): softcap, alibi_slopes,
-and the variable-length functions (flash_attn_varlen_*).
+softcap > 0 caps the scaled scores at softcap·tanh(t / softcap) (Gemma 2) and alibi_slopes
+(float32, (heads,) or (batch, heads)) adds -slope·|i + seqlen_k - seqlen_q - j|, both fused in every
+kernel; unlike FlashAttention, dropout with softcap is allowed.
+
+Not supported yet (a clear NotImplementedError, never a silent fallback): the variable-length
+functions (flash_attn_varlen_*).
 """
 from __future__ import annotations
 
@@ -69,13 +73,10 @@ def _band_from(causal, window_size):
     return ("bottom_right" if causal else None), (left, right)
 
 
-def _check_unsupported(softcap, alibi_slopes):
+def _check_softcap(softcap):
     if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool):
         raise TypeError(f"attention_ext.flash: softcap must be a float, got {type(softcap).__name__}")
-    if softcap != 0.0:
-        raise NotImplementedError(f"attention_ext.flash: softcap={softcap} is not supported yet (only 0.0)")
-    if alibi_slopes is not None:
-        raise NotImplementedError("attention_ext.flash: alibi_slopes are not supported yet (only None)")
+    return float(softcap)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -85,18 +86,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     probabilities)."""
     _check_layout(q, k, v)
     causal_kind, window = _band_from(causal, window_size)
-    _check_unsupported(softcap, alibi_slopes)
+    softcap = _check_softcap(softcap)
     if not isinstance(deterministic, bool):
         raise TypeError(f"attention_ext.flash: deterministic must be a bool, got {type(deterministic).__name__}")
     gqa = q.shape[2] != k.shape[2]
     # (batch, seqlen, heads, dim) -> (batch, heads, seqlen, dim): views; the kernels take strides.
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    out, lse = attention(qh, kh, vh, causal=causal_kind, window=window, scale=softmax_scale, dropout_p=dropout_p,
-                         enable_gqa=gqa, return_lse=True)
+    modifiers = dict(causal=causal_kind, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                     scale=softmax_scale, enable_gqa=gqa)
+    out, lse = attention(qh, kh, vh, dropout_p=dropout_p, return_lse=True, **modifiers)
     out = out.transpose(1, 2)
     if not return_attn_probs:
         return out
-    probs = attention_weights(qh, kh, causal=causal_kind, window=window, scale=softmax_scale, enable_gqa=gqa)
+    probs = attention_weights(qh, kh, **modifiers)
     return out, lse, probs
 
 

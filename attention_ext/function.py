@@ -65,57 +65,75 @@ def _batch_shape(query, key, value):
 # First order: the fused kernels.
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, scale, causal, window_left, window_right, dropout_p, rng_state = inputs
+    (query, key, value, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes, sinks,
+     dropout_p, rng_state) = inputs
     out, lse = output
-    ctx.scale, ctx.band, ctx.dropout_p = scale, (causal, window_left, window_right), dropout_p
-    ctx.save_for_backward(query, key, value, attn_mask, out, lse, rng_state)
+    ctx.scale, ctx.dropout_p = scale, dropout_p
+    ctx.logit = (causal, window_left, window_right, softcap)  # the ops' logit options but the tensors
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse, rng_state, alibi_slopes, sinks)
     ctx.set_materialize_grads(False)
 
 
+def sink_gradient(sinks, lse, out, grad_out, grad_lse):
+    """d loss / d sinks: each row's sink weight exp(sink − lse) times (0 − delta), delta =
+    rowsum(dO ∘ O) − dlse (the sink's key has value 0), summed to the sinks' shape. O(n·d_v) in
+    torch ops, differentiable (double backward)."""
+    delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1) if grad_out is not None else torch.zeros_like(lse)
+    if grad_lse is not None:
+        delta = delta - grad_lse
+    weight = torch.exp(sinks[..., None] - lse)
+    weight = torch.where(torch.isneginf(lse), torch.zeros_like(weight), weight)  # (sinks of −inf)
+    return (-(weight * delta)).sum(-1).sum_to_size(sinks.shape)
+
+
 def _backward(ctx, grad_out, grad_lse):
-    query, key, value, attn_mask, out, lse, rng_state = ctx.saved_tensors
+    query, key, value, attn_mask, out, lse, rng_state, alibi_slopes, sinks = ctx.saved_tensors
     if grad_out is None and grad_lse is None:
-        return (None,) * 10
+        return (None,) * 13
+    dsinks = sink_gradient(sinks, lse, out, grad_out, grad_lse) if ctx.needs_input_grad[10] else None
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     mask_grad = bool(ctx.needs_input_grad[3]) and attn_mask is not None
-    args = (grad_out, grad_lse, query, key, value, attn_mask, out, lse, ctx.scale, *ctx.band,
+    args = (grad_out, grad_lse, query, key, value, attn_mask, out, lse, ctx.scale, *ctx.logit, alibi_slopes, sinks,
             ctx.dropout_p, rng_state, mask_grad)
     if torch.is_grad_enabled():  # create_graph=True: keep the graph for double backward
         dq, dk, dv, dmask = AttentionBackward.apply(*args)
     else:
         with _below_autograd():
             dq, dk, dv, dmask = ops.attention_bwd(*args)
-    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None
+    return (dq, dk, dv, (dmask if mask_grad else None)) + (None,) * 6 + (dsinks, None, None)
 
 
 class AttentionFunction(_PositionalApply, torch.autograd.Function):
-    """(query, key, value, attn_mask, scale, causal, window_left, window_right, dropout_p, rng_state)
-    -> (out, lse)."""
+    """(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
+    sinks, dropout_p, rng_state) -> (out, lse)."""
 
     @staticmethod
-    def forward(query, key, value, attn_mask, scale, causal, window_left, window_right, dropout_p, rng_state):
+    def forward(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
+                sinks, dropout_p, rng_state):
         with _below_autograd():
-            return ops.attention_fwd(query, key, value, attn_mask, scale, causal, window_left, window_right,
-                                     dropout_p, rng_state)
+            return ops.attention_fwd(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap,
+                                     alibi_slopes, sinks, dropout_p, rng_state)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         _setup_context(ctx, inputs, output)
-        query, key, value, attn_mask, *_, rng_state = inputs
-        ctx.save_for_forward(query, key, value, attn_mask, rng_state)
+        query, key, value, attn_mask, *_, alibi_slopes, sinks, _, rng_state = inputs
+        ctx.save_for_forward(query, key, value, attn_mask, rng_state, alibi_slopes, sinks)
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         return _backward(ctx, grad_out, grad_lse)
 
     @staticmethod
-    def jvp(ctx, query_t, key_t, value_t, mask_t, *unused):
-        query, key, value, attn_mask, rng_state = ctx.saved_tensors
+    def jvp(ctx, query_t, key_t, value_t, mask_t, _scale_t, _causal_t, _left_t, _right_t, _softcap_t, alibi_t,
+            sinks_t, *unused):
+        query, key, value, attn_mask, rng_state, alibi_slopes, sinks = ctx.saved_tensors
+        _no_tangent(alibi_t, "alibi_slopes")
         scale = ctx.scale
-        s_t = _score_tangent(query, key, query_t, key_t, mask_t, scale)
+        s_t = _score_tangent(query, key, query_t, key_t, mask_t, scale, ctx.logit[3])
         # Through the weights' own Function, so nested forward-mode AD sees their tangent too.
-        probs = AttentionWeightsFunction.apply(query, key, attn_mask, scale, *ctx.band)
+        probs = AttentionWeightsFunction.apply(query, key, attn_mask, scale, *ctx.logit, alibi_slopes, sinks)
         batch = probs.shape[:-2]
         z = None
         weights = probs
@@ -124,10 +142,9 @@ class AttentionFunction(_PositionalApply, torch.autograd.Function):
             weights = probs * z
         out_t = None
         lse_t = None
-        if s_t is not None:
-            ps = probs * s_t
-            row = ps.sum(-1, keepdim=True)
-            p_t = ps - probs * row
+        ps, row = _row_tangent(probs, s_t, sinks_t)
+        if row is not None:
+            p_t = -probs * row if ps is None else ps - probs * row
             if z is not None:
                 p_t = p_t * z
             out_t = torch.matmul(p_t, value)
@@ -144,25 +161,58 @@ class AttentionFunction(_PositionalApply, torch.autograd.Function):
         return out_t.contiguous(), lse_t.contiguous()
 
     @staticmethod
-    def vmap(info, in_dims, query, key, value, attn_mask, scale, causal, window_left, window_right, dropout_p,
-             rng_state):
-        if in_dims[9] is not None:
-            raise NotImplementedError("attention_ext: vmap over rng_state is not supported")
+    def vmap(info, in_dims, query, key, value, attn_mask, scale, causal, window_left, window_right, softcap,
+             alibi_slopes, sinks, dropout_p, rng_state):
+        _no_vmap_over(in_dims[9], "alibi_slopes")
+        _no_vmap_over(in_dims[10], "sinks")
+        _no_vmap_over(in_dims[12], "rng_state")
+        # (Slopes broadcast against the batch dims from the right: the folded dim leaves them be.)
         query, key, value, attn_mask = fold_vmap_dim(info.batch_size, in_dims[:4],
                                                      (query, key, value, attn_mask))
         out, lse = AttentionFunction.apply(query, key, value, attn_mask, scale, causal, window_left, window_right,
-                                           dropout_p, rng_state)
+                                           softcap, alibi_slopes, sinks, dropout_p, rng_state)
         return (out, lse), (0, 0)
 
 
-def _score_tangent(query, key, query_t, key_t, mask_t, scale):
-    """S_t = (Q_t Kᵀ + Q K_tᵀ)·scale + M_t for the tangents given (None if none are)."""
+def _no_tangent(tangent, name):
+    if tangent is not None:
+        raise NotImplementedError(f"attention_ext: forward-mode AD through {name} is not supported")
+
+
+def _row_tangent(probs, s_t, sinks_t):
+    """(P ∘ S_t, the tangent of each row's normaliser: rowsum(P ∘ S_t) + P_sink·sink_t), with
+    P_sink = 1 − rowsum(P) the sink's weight; (None, None) without tangents."""
+    ps = row = None
+    if s_t is not None:
+        ps = probs * s_t
+        row = ps.sum(-1, keepdim=True)
+    if sinks_t is not None:
+        term = (1 - probs.sum(-1, keepdim=True)) * sinks_t.to(probs.dtype)[..., None, None]
+        row = term if row is None else row + term
+    return ps, row
+
+
+def _no_vmap_over(dim, name):
+    if dim is not None:
+        raise NotImplementedError(f"attention_ext: vmap over {name} is not supported")
+
+
+def softcap_derivative(query, key, scale, softcap):
+    """d(softcap·tanh(t / softcap))/dt at t = scale·q·k: 1 − tanh²(t / softcap), (..., n, m)."""
+    return 1 - torch.tanh(torch.matmul(query, key.transpose(-1, -2)) * (scale / softcap)) ** 2
+
+
+def _score_tangent(query, key, query_t, key_t, mask_t, scale, softcap=0.0):
+    """S_t = (Q_t Kᵀ + Q K_tᵀ)·scale (times the softcap's derivative) + M_t for the tangents given
+    (None if none are)."""
     s_t = None
     if query_t is not None:
         s_t = torch.matmul(query_t, key.transpose(-1, -2)) * scale
     if key_t is not None:
         term = torch.matmul(query, key_t.transpose(-1, -2)) * scale
         s_t = term if s_t is None else s_t + term
+    if s_t is not None and softcap > 0:
+        s_t = s_t * softcap_derivative(query, key, scale, softcap)
     if mask_t is not None:
         s_t = mask_t if s_t is None else s_t + mask_t
     return s_t
@@ -199,12 +249,15 @@ torch.library.register_autograd("attention_ext::attention_fwd", _backward, setup
 # ----------------------------------------------------------------------------------------------
 # Second order: a composition of torch ops.
 
-def attention_backward_composite(grad_out, grad_lse, query, key, value, attn_mask, scale, band,
-                                 dropout_p, rng_state):
+def attention_backward_composite(grad_out, grad_lse, query, key, value, attn_mask, scale, logit, alibi_slopes,
+                                 sinks, dropout_p, rng_state):
     """The backward of the kernels in differentiable torch ops: (dq, dk, dv, dmask), reduced to
-    the inputs' shapes; band = (causal code, window_left, window_right). Memory O(batch · n · m)."""
-    s = masked_scores(query, key, attn_mask, causal=CAUSAL_NAMES[band[0]], window=band[1:], scale=scale)
-    p, _ = softmax_lse(s)
+    the inputs' shapes; logit = (causal code, window_left, window_right, softcap). Memory
+    O(batch · n · m)."""
+    causal, window_left, window_right, softcap = logit
+    s = masked_scores(query, key, attn_mask, causal=CAUSAL_NAMES[causal], window=(window_left, window_right),
+                      softcap=softcap, alibi_slopes=alibi_slopes, scale=scale)
+    p, _ = softmax_lse(s, sinks)
     pz = p
     z = None
     if dropout_p > 0:
@@ -219,9 +272,11 @@ def attention_backward_composite(grad_out, grad_lse, query, key, value, attn_mas
     if grad_lse is not None:
         delta = delta - grad_lse.unsqueeze(-1).to(delta.dtype)
     ds = p * (dp - delta)
+    dmask = ds.sum_to_size(attn_mask.shape) if attn_mask is not None and attn_mask.is_floating_point() else None
+    if softcap > 0:
+        ds = ds * softcap_derivative(query, key, scale, softcap)
     dq = torch.matmul(ds, key) * scale
     dk = torch.matmul(ds.transpose(-1, -2), query) * scale
-    dmask = ds.sum_to_size(attn_mask.shape) if attn_mask is not None and attn_mask.is_floating_point() else None
     return dq.sum_to_size(query.shape), dk.sum_to_size(key.shape), dv.sum_to_size(value.shape), dmask
 
 
@@ -230,29 +285,33 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
 
     @staticmethod
     def forward(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal, window_left,
-                window_right, dropout_p, rng_state, mask_grad):
+                window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state, mask_grad):
         with _below_autograd():
             return ops.attention_bwd(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
-                                     window_left, window_right, dropout_p, rng_state, mask_grad)
+                                     window_left, window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state,
+                                     mask_grad)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        (grad_out, grad_lse, query, key, value, attn_mask, _, _, scale, causal, window_left, window_right, dropout_p,
-         rng_state, mask_grad) = inputs
+        (grad_out, grad_lse, query, key, value, attn_mask, _, _, scale, causal, window_left, window_right, softcap,
+         alibi_slopes, sinks, dropout_p, rng_state, mask_grad) = inputs
         ctx.scale, ctx.dropout_p, ctx.mask_grad = scale, dropout_p, mask_grad
-        ctx.band = (causal, window_left, window_right)
-        ctx.save_for_backward(grad_out, grad_lse, query, key, value, attn_mask, rng_state)
+        ctx.logit = (causal, window_left, window_right, softcap)
+        ctx.save_for_backward(grad_out, grad_lse, query, key, value, attn_mask, rng_state, alibi_slopes, sinks)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, g_dq, g_dk, g_dv, g_dmask):
-        grad_out, grad_lse, query, key, value, attn_mask, rng_state = ctx.saved_tensors
-        leaves = [grad_out, grad_lse, query, key, value, attn_mask]
+        grad_out, grad_lse, query, key, value, attn_mask, rng_state, alibi_slopes, sinks = ctx.saved_tensors
+        # The differentiable inputs, in the order of forward's arguments but for sinks (argument 14).
+        leaves = [grad_out, grad_lse, query, key, value, attn_mask, sinks]
         wants = [ctx.needs_input_grad[i] and leaves[i] is not None for i in range(6)]
         wants[5] = wants[5] and attn_mask.is_floating_point()
+        wants.append(ctx.needs_input_grad[14] and sinks is not None)
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_(w) if t is not None else None for t, w in zip(leaves, wants)]
-            results = attention_backward_composite(*inputs, ctx.scale, ctx.band, ctx.dropout_p, rng_state)
+            results = attention_backward_composite(*inputs[:6], ctx.scale, ctx.logit, alibi_slopes, inputs[6],
+                                                   ctx.dropout_p, rng_state)
             pairs = [(r, g) for r, g in zip(results, (g_dq, g_dk, g_dv, g_dmask if ctx.mask_grad else None))
                      if r is not None and g is not None and r.requires_grad]
             targets = [t for t, w in zip(inputs, wants) if w]
@@ -261,13 +320,14 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
                      if pairs and targets else [None] * len(targets))
         it = iter(grads)
         out = [next(it) if w else None for w in wants]
-        return (*out, None, None, None, None, None, None, None, None, None)
+        return (*out[:6],) + (None,) * 8 + (out[6], None, None, None)
 
     @staticmethod
     def vmap(info, in_dims, grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
-             window_left, window_right, dropout_p, rng_state, mask_grad):
-        if in_dims[13] is not None:
-            raise NotImplementedError("attention_ext: vmap over rng_state is not supported")
+             window_left, window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state, mask_grad):
+        _no_vmap_over(in_dims[13], "alibi_slopes")
+        _no_vmap_over(in_dims[14], "sinks")
+        _no_vmap_over(in_dims[16], "rng_state")
         q, k, v, m, go, o = fold_vmap_dim(
             info.batch_size, (in_dims[2], in_dims[3], in_dims[4], in_dims[5], in_dims[0], in_dims[6]),
             (query, key, value, attn_mask, grad_out, out))
@@ -285,7 +345,8 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
         if gl is not None:
             gl = gl.expand(*batch, gl.shape[-1])
         dq, dk, dv, dmask = AttentionBackward.apply(go, gl, q, k, v, m, o, ls, scale, causal, window_left,
-                                                    window_right, dropout_p, rng_state, mask_grad)
+                                                    window_right, softcap, alibi_slopes, sinks, dropout_p,
+                                                    rng_state, mask_grad)
         return (dq, dk, dv, dmask), (0, 0, 0, 0 if mask_grad else None)
 
 
@@ -304,40 +365,53 @@ torch.library.register_autograd("attention_ext::attention_bwd", AttentionBackwar
 
 def _probs_setup_context(ctx, inputs, output):
     query, key, attn_mask, scale = inputs[:4]
-    ctx.scale = scale
-    ctx.save_for_backward(query, key, attn_mask, output)
+    ctx.scale, ctx.softcap = scale, inputs[7]
+    ctx.save_for_backward(query, key, attn_mask, output, inputs[9])
+    ctx.set_materialize_grads(False)  # (inputs without a tangent: None, not zeros)
 
 
 def _probs_backward(ctx, grad_w):
-    """W = softmax(S): dS = W ∘ (dW − rowsum(dW ∘ W)); composed in torch ops."""
-    query, key, attn_mask, w = ctx.saved_tensors
-    ds = w * (grad_w - (grad_w * w).sum(-1, keepdim=True))
-    dq = torch.matmul(ds, key) * ctx.scale if ctx.needs_input_grad[0] else None
-    dk = torch.matmul(ds.transpose(-1, -2), query) * ctx.scale if ctx.needs_input_grad[1] else None
+    """W = softmax(S): dS = W ∘ (dW − rowsum(dW ∘ W)) (times the softcap's derivative for Q and
+    K), and for a sink, whose weight is 1 − rowsum(W), dsink = −(1 − rowsum(W))·rowsum(dW ∘ W);
+    composed in torch ops."""
+    if grad_w is None:
+        return (None,) * 10
+    query, key, attn_mask, w, sinks = ctx.saved_tensors
+    row = (grad_w * w).sum(-1, keepdim=True)
+    ds = w * (grad_w - row)
+    dsinks = None
+    if ctx.needs_input_grad[9] and sinks is not None:
+        dsinks = (-(1 - w.sum(-1, keepdim=True)) * row).squeeze(-1).sum(-1).sum_to_size(sinks.shape)
     dmask = None
     if ctx.needs_input_grad[2] and attn_mask is not None and attn_mask.is_floating_point():
         dmask = ds.sum_to_size(attn_mask.shape)
+    if ctx.softcap > 0 and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+        ds = ds * softcap_derivative(query, key, ctx.scale, ctx.softcap)
+    dq = torch.matmul(ds, key) * ctx.scale if ctx.needs_input_grad[0] else None
+    dk = torch.matmul(ds.transpose(-1, -2), query) * ctx.scale if ctx.needs_input_grad[1] else None
     return (dq.sum_to_size(query.shape) if dq is not None else None,
-            dk.sum_to_size(key.shape) if dk is not None else None, dmask, None, None, None, None)
+            dk.sum_to_size(key.shape) if dk is not None else None, dmask) + (None,) * 6 + (dsinks,)
 
 
-def _weights_tangent(query, key, w, query_t, key_t, mask_t, scale):
-    """W = softmax(S): W_t = W ∘ (S_t − rowsum(W ∘ S_t))."""
-    s_t = _score_tangent(query, key, query_t, key_t, mask_t, scale)
-    if s_t is None:
+def _weights_tangent(query, key, w, query_t, key_t, mask_t, sinks_t, scale, softcap):
+    """W = softmax(S) (with the sink in the denominator): W_t = W ∘ (S_t − rowsum(W ∘ S_t) −
+    W_sink·sink_t)."""
+    s_t = _score_tangent(query, key, query_t, key_t, mask_t, scale, softcap)
+    ws, row = _row_tangent(w, s_t, sinks_t)
+    if row is None:
         return torch.zeros_like(w)
-    ws = w * s_t
-    return (ws - w * ws.sum(-1, keepdim=True)).expand_as(w).contiguous()
+    return ((-w * row if ws is None else ws - w * row)).expand_as(w).contiguous()
 
 
 class AttentionWeightsFunction(_PositionalApply, torch.autograd.Function):
-    """(query, key, attn_mask, scale, causal, window_left, window_right) -> exact attention
-    probabilities W."""
+    """(query, key, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes, sinks)
+    -> exact attention probabilities W."""
 
     @staticmethod
-    def forward(query, key, attn_mask, scale, causal, window_left, window_right):
+    def forward(query, key, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes, sinks):
         with _below_autograd():
-            return ops.attention_probs(query, key, attn_mask, scale, causal, window_left, window_right)
+            return ops.attention_probs(query, key, attn_mask, scale, causal, window_left, window_right, softcap,
+                                       alibi_slopes, sinks)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -349,14 +423,19 @@ class AttentionWeightsFunction(_PositionalApply, torch.autograd.Function):
         return _probs_backward(ctx, grad_w)
 
     @staticmethod
-    def jvp(ctx, query_t, key_t, mask_t, *unused):
+    def jvp(ctx, query_t, key_t, mask_t, _scale_t, _causal_t, _left_t, _right_t, _softcap_t, alibi_t, sinks_t):
+        _no_tangent(alibi_t, "alibi_slopes")
         query, key, w = ctx.saved_tensors
-        return _weights_tangent(query, key, w, query_t, key_t, mask_t, ctx.scale)
+        return _weights_tangent(query, key, w, query_t, key_t, mask_t, sinks_t, ctx.scale, ctx.softcap)
 
     @staticmethod
-    def vmap(info, in_dims, query, key, attn_mask, scale, causal, window_left, window_right):
+    def vmap(info, in_dims, query, key, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
+             sinks):
+        _no_vmap_over(in_dims[8], "alibi_slopes")
+        _no_vmap_over(in_dims[9], "sinks")
         query, key, attn_mask = fold_vmap_dim(info.batch_size, in_dims[:3], (query, key, attn_mask))
-        return AttentionWeightsFunction.apply(query, key, attn_mask, scale, causal, window_left, window_right), 0
+        return AttentionWeightsFunction.apply(query, key, attn_mask, scale, causal, window_left, window_right, softcap,
+                                              alibi_slopes, sinks), 0
 
 
 torch.library.register_autograd("attention_ext::attention_probs", _probs_backward,

@@ -38,11 +38,26 @@ def band_visibility(n: int, m: int, causal: Optional[str], device=None, window=N
     return visible
 
 
-def masked_scores(query, key, attn_mask=None, *, causal=None, window=None, scale=None) -> torch.Tensor:
-    """Scaled scores with the mask applied: -inf where a key does not take part."""
+def alibi_bias(slopes: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """ALiBi: -slope·|i + m - n - j| for every (batch position, query i, key j); slopes broadcast
+    against the batch dims (one per head)."""
+    i = torch.arange(n, device=slopes.device).unsqueeze(-1)
+    j = torch.arange(m, device=slopes.device)
+    distance = (i + (m - n) - j).abs().to(torch.float64)
+    return -slopes.to(torch.float64)[..., None, None] * distance
+
+
+def masked_scores(query, key, attn_mask=None, *, causal=None, window=None, softcap=0.0, alibi_slopes=None,
+                  scale=None) -> torch.Tensor:
+    """Scaled scores t = scale·q·k, modified (softcap > 0: softcap·tanh(t / softcap); then ALiBi's
+    -slope·|i + m - n - j|) and masked: -inf where a key does not take part."""
     if scale is None:  # d_k = 0: every score is 0 whatever the scale
         scale = 1.0 / math.sqrt(key.shape[-1]) if key.shape[-1] > 0 else 1.0
     s = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, s.shape[-2], s.shape[-1]).to(s.dtype)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             s = s.masked_fill(~attn_mask, float("-inf"))
@@ -56,9 +71,16 @@ def masked_scores(query, key, attn_mask=None, *, causal=None, window=None, scale
     return s
 
 
-def softmax_lse(s: torch.Tensor):
+def softmax_lse(s: torch.Tensor, sinks: Optional[torch.Tensor] = None):
     """Row softmax (max-subtracted, exact for scores of any magnitude) and logsumexp, with fully
-    masked rows giving weights 0 and lse -inf."""
+    masked rows giving weights 0 and lse -inf. sinks (one logit per batch position) join each
+    row's denominator as one more key, whose weight is left out of the result."""
+    if sinks is not None:
+        batch = torch.broadcast_shapes(s.shape[:-2], sinks.shape)
+        s = s.expand(*batch, *s.shape[-2:])
+        column = sinks.to(s.dtype)[..., None, None].expand(*batch, s.shape[-2], 1)
+        p, lse = softmax_lse(torch.cat([s, column], dim=-1))
+        return p[..., :-1], lse
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     empty = torch.isneginf(lse)
     p = torch.where(empty, torch.zeros_like(s), torch.softmax(torch.where(empty, torch.zeros_like(s), s), dim=-1))
@@ -82,6 +104,9 @@ def attention_reference(
     *,
     causal: Optional[str] = None,
     window=None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     dropout_mask: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
@@ -98,8 +123,11 @@ def attention_reference(
             attn_mask = attn_mask.to(dtype).masked_fill(lowest, float("-inf"))
     if enable_gqa:
         key, value = expand_gqa(query, key, value)
-    s = masked_scores(query, key, attn_mask, causal=causal, window=window, scale=scale)
-    p, lse = softmax_lse(s)
+    if sinks is not None and dtype is not None:
+        sinks = sinks.to(dtype)
+    s = masked_scores(query, key, attn_mask, causal=causal, window=window, softcap=softcap,
+                      alibi_slopes=alibi_slopes, scale=scale)
+    p, lse = softmax_lse(s, sinks)
     weights = p
     if dropout_mask is not None and dropout_p > 0:
         p = p * dropout_mask.to(p.dtype) / (1.0 - dropout_p)

@@ -79,6 +79,16 @@ struct AttentionParams {
   int64_t window_left = -1;
   int64_t window_right = -1;
   double scale = 1.0;
+  // Score modifiers on the scaled score t = scale·q·k, in this order (attention_semantics.h),
+  // before the masks. softcap > 0: t = softcap·tanh(t / softcap) (Gemma 2). ALiBi:
+  // t −= slope·|i + m − n − j| with the slope of the batch position: alibi_slopes.data is float32,
+  // one slope per batch position through batch_stride (nullptr: no ALiBi).
+  double softcap = 0.0;
+  TensorRef alibi_slopes;
+  // Attention sinks: a per-batch-position logit (natural units, accumulator type, through
+  // batch_stride; nullptr: none) that joins each row's softmax denominator as one more key, always
+  // visible, of value 0 (GPT-OSS). The lse includes it.
+  TensorRef sinks;
 
   // Dropout on the attention weights. A weight is kept iff its Philox draw is >= threshold,
   // where threshold = floor(p * 2^32); kept weights are scaled by 1 / (1 - p).

@@ -4,7 +4,7 @@
 // score modifier is one function here plus its line there.
 //
 // The logit pipeline, in this order, in log2 units (so the softmax is exp2 of a difference):
-//   s = q·k  ->  s·scale·log2(e)  ->  additive mask  ->  visibility (bool mask, the causal /
+//   s = q·k  ->  s·scale·log2(e)  ->  softcap  ->  ALiBi  ->  additive mask  ->  visibility (bool mask, the causal /
 //   sliding-window band of attention_geometry.h).
 // The online softmax keeps per row a running max m (log2 units) and a running sum l of
 // 2^(logit − m); the row end turns (m, l) into the output factor and the natural-log lse; partial
@@ -61,6 +61,31 @@ ATTN_HD inline A scaled_logit(A score, A scale_log2) {
   return score * scale_log2;
 }
 
+ATTN_HD inline float tanh_acc(float x) { return tanhf(x); }
+ATTN_HD inline double tanh_acc(double x) { return tanh(x); }
+
+// Logit softcapping (softcap·tanh(t / softcap) on the natural-unit logit t) in log2 units: with
+// x = t·log2(e) and cap = softcap·log2(e) it is cap·tanh(x / cap). cap == 0: none.
+template <typename A>
+ATTN_HD inline A softcapped_logit(A x, A cap) {
+  return cap * tanh_acc(x / cap);
+}
+// d(capped)/d(x) = 1 − tanh², from the capped logit itself: the backward multiplies dS by it
+// before dQ = dS·K·scale and dK = dSᵀ·Q·scale (a float mask, added after the cap, takes dS as is).
+template <typename A>
+ATTN_HD inline A softcap_derivative(A capped, A cap) {
+  const A t = capped / cap;
+  return A(1) - t * t;
+}
+
+// ALiBi in log2 units: −slope·log2(e)·|i + m − n − j| (the key aligned with query i is
+// i + m − n, as in the window band), slope_log2 = slope·log2(e) of the batch position.
+template <typename A>
+ATTN_HD inline A alibi_bias(A slope_log2, int64_t i, int64_t j, int64_t diagonal_shift) {
+  const int64_t distance = i + diagonal_shift - j;
+  return -slope_log2 * static_cast<A>(distance < 0 ? -distance : distance);
+}
+
 // An additive-mask entry (as A) applied to a log2-domain logit; lowest = lowest_finite(dtype) as A.
 template <typename A>
 ATTN_HD inline A with_additive_mask(A logit, A mask_value, A lowest) {
@@ -96,6 +121,25 @@ template <typename A>
 ATTN_HD inline A inverse_row_sum(A l) {
   return l > A(0) ? A(1) / l : (l == A(0) ? A(0) : static_cast<A>(NAN));
 }
+// A row's running max m and sum l (log2 units) with its sink s (log2 units; −inf: none) folded in
+// as one more key: M = max(m, s), l' = l·2^(m−M) + 2^(s−M). A NaN row stays NaN.
+template <typename A>
+struct RowStats {
+  A m, l;
+};
+template <typename A>
+ATTN_HD inline RowStats<A> with_sink(A m, A l, A s) {
+  if (s == neg_inf<A>() || !(l == l)) return {m, l};
+  const A top = m > s ? m : s;
+  return {top, l * rescale_factor(m, top) + exp2_acc(s - top)};
+}
+// The sink of the batch position idx in log2 units, −inf without sinks.
+template <typename A>
+ATTN_HD inline A sink_log2(const AttentionParams& p, const int64_t* idx) {
+  if (p.sinks.data == nullptr) return neg_inf<A>();
+  return static_cast<const A*>(p.sinks.data)[batch_offset(p, p.sinks, idx)] * static_cast<A>(kLog2e);
+}
+
 // The natural-log lse of a row, rounded once: the sum m + log2(l) is formed in double even for a
 // float row (in float it would round twice, and |m| of a few hundred puts 1e-5 into the lse).
 ATTN_HD inline float row_lse(float m, float l) {
@@ -105,6 +149,20 @@ ATTN_HD inline float row_lse(float m, float l) {
 ATTN_HD inline double row_lse(double m, double l) {
   if (!(l > 0.0)) return l == 0.0 ? neg_inf<double>() : static_cast<double>(NAN);
   return (m + log2(l)) * kLn2;
+}
+
+// The end of a row, every forward's: from its running max m and sum l and its sink s (log2
+// units, −inf: none), the factor that turns the output accumulator into the output and the lse.
+// The sink's key has value 0: it adds to the denominator only.
+template <typename A>
+struct RowEnd {
+  A out_factor, lse;
+};
+template <typename A>
+ATTN_HD inline RowEnd<A> row_end(A m, A l, A s) {
+  const RowStats<A> r = with_sink(m, l, s);
+  const A rescale = r.m == m ? A(1) : rescale_factor(m, r.m);
+  return {rescale * inverse_row_sum(r.l), row_lse(r.m, r.l)};
 }
 
 // --- The softmax shift of the backward and the probabilities ------------------------------------

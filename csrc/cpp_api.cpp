@@ -25,13 +25,17 @@ using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::T
                                                   const at::Tensor&,
                                                   const std::optional<at::Tensor>&, double,
                                                   int64_t, int64_t, int64_t, double,
+                                                  const std::optional<at::Tensor>&,
+                                                  const std::optional<at::Tensor>&, double,
                                                   const std::optional<at::Tensor>&);
 using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-    double, int64_t, int64_t, int64_t, double, const std::optional<at::Tensor>&, bool);
-using ProbsSig = at::Tensor(const at::Tensor&, const at::Tensor&,
-                            const std::optional<at::Tensor>&, double, int64_t, int64_t, int64_t);
+    double, int64_t, int64_t, int64_t, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    double, const std::optional<at::Tensor>&, bool);
+using ProbsSig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double,
+                            int64_t, int64_t, int64_t, double, const std::optional<at::Tensor>&,
+                            const std::optional<at::Tensor>&);
 using InfoSig = std::string();
 using SetVariantSig = std::string(std::string);
 
@@ -98,7 +102,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   at::Tensor key = k, value = v;
   expand_kv(key, value);
   return fwd_op().call(q, key, value, mask_or_none(attn_mask), resolve_scale(q, scale),
-                       static_cast<int64_t>(causal), window.left, window.right, dropout_p, rng_state);
+                       static_cast<int64_t>(causal), window.left, window.right, /*softcap=*/0.0,
+                       /*alibi_slopes=*/std::nullopt, /*sinks=*/std::nullopt, dropout_p, rng_state);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
@@ -112,7 +117,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
   auto [gq, gk, gv, gmask] =
       bwd_op().call(grad_out, mask_or_none(grad_lse), q, key, value, mask_or_none(attn_mask), out, lse,
                     resolve_scale(q, scale), static_cast<int64_t>(causal), window.left, window.right,
-                    dropout_p, rng_state, mask_requires_grad);
+                    /*softcap=*/0.0, /*alibi_slopes=*/std::nullopt, /*sinks=*/std::nullopt, dropout_p, rng_state,
+                    mask_requires_grad);
   // Reduce the gradients of expanded key/value back to the caller's shapes.
   if (gk.sizes() != k.sizes()) gk = gk.sum_to_size(k.sizes());
   if (gv.sizes() != v.sizes()) gv = gv.sum_to_size(v.sizes());
@@ -170,7 +176,8 @@ at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k,
                              const std::optional<at::Tensor>& attn_mask,
                              std::optional<double> scale, Causal causal, Window window) {
   return probs_op().call(q, k, mask_or_none(attn_mask), resolve_scale(q, scale), static_cast<int64_t>(causal),
-                         window.left, window.right);
+                         window.left, window.right, /*softcap=*/0.0, /*alibi_slopes=*/std::nullopt,
+                         /*sinks=*/std::nullopt);
 }
 
 std::string build_info() {

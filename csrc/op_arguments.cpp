@@ -58,7 +58,7 @@ at::ScalarType lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDoub
 
 AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const std::optional<at::Tensor>& attn_mask, double scale,
-                                      const Band& band, double dropout_p,
+                                      const LogitOptions& logit, double dropout_p,
                                       const std::optional<at::Tensor>& rng_state) {
   check_float_tensor(q, "query");
   check_float_tensor(k, "key");
@@ -83,11 +83,13 @@ AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, 
                 " overflows the ", lse_dtype(q.scalar_type()), " accumulation of ", q.scalar_type(),
                 " inputs (|scale| must be at most ", acc_max / kLog2e, ")");
   }
-  TORCH_CHECK(band.causal >= 0 && band.causal <= 2,
-              "attention_ext: causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got ", band.causal);
-  TORCH_CHECK(band.window_left >= -1 && band.window_right >= -1,
-              "attention_ext: window bounds must be >= 0, or -1 for unbounded, got (", band.window_left,
-              ", ", band.window_right, ")");
+  TORCH_CHECK(logit.causal >= 0 && logit.causal <= 2,
+              "attention_ext: causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got ", logit.causal);
+  TORCH_CHECK(logit.window_left >= -1 && logit.window_right >= -1,
+              "attention_ext: window bounds must be >= 0, or -1 for unbounded, got (", logit.window_left,
+              ", ", logit.window_right, ")");
+  TORCH_CHECK(std::isfinite(logit.softcap) && logit.softcap >= 0.0,
+              "attention_ext: softcap must be a finite number >= 0 (0: none), got ", logit.softcap);
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
               "attention_ext: dropout_p must be in [0, 1), got ", dropout_p);
   if (dropout_p > 0.0) {
@@ -107,7 +109,7 @@ AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, 
   shape.dv = v.size(-1);
   // A window is aligned bottom-right (query i sits at key i + m − n); top-left causal aligns at
   // key i. The two agree only when n == m.
-  TORCH_CHECK(band.causal != 1 || (band.window_left < 0 && band.window_right < 0) || shape.n == shape.m,
+  TORCH_CHECK(logit.causal != 1 || (logit.window_left < 0 && logit.window_right < 0) || shape.n == shape.m,
               "attention_ext: a sliding window is aligned bottom-right and cannot be combined with ",
               "top-left causal when queries (", shape.n, ") and keys (", shape.m,
               ") differ in number; use bottom-right causal");
@@ -157,6 +159,24 @@ AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, 
     TORCH_CHECK(ok, "attention_ext: attn_mask of shape ", shape_str(mask.sizes()),
                 " does not broadcast to the attention weights' shape ", shape_str(target));
   }
+  // One value per batch position (per head): ALiBi slopes (float32) and sinks (the lse's dtype).
+  for (const auto& [values, name, dtype] :
+       {std::tuple<const std::optional<at::Tensor>&, const char*, at::ScalarType>{logit.alibi_slopes, "alibi_slopes",
+                                                                                    at::kFloat},
+        {logit.sinks, "sinks", lse_dtype(q.scalar_type())}}) {
+    if (!values.has_value()) continue;
+    const at::Tensor& t = *values;
+    TORCH_CHECK(t.scalar_type() == dtype, "attention_ext: ", name, " must be ", dtype, " for ", q.scalar_type(),
+                " inputs, got ", t.scalar_type());
+    TORCH_CHECK(t.device() == q.device(), "attention_ext: ", name, " must be on ", q.device(), ", got ", t.device());
+    bool ok = t.dim() <= nd;
+    for (int64_t i = 0; ok && i < t.dim(); ++i) {
+      const int64_t s = t.size(t.dim() - 1 - i);
+      ok = s == 1 || s == shape.batch[nd - 1 - i];
+    }
+    TORCH_CHECK(ok, "attention_ext: ", name, " of shape ", shape_str(t.sizes()), " does not broadcast to the batch dims ",
+                shape_str(shape.batch), " (one value per head: (heads,) or (batch, heads) for (batch, heads, n, d) inputs)");
+  }
   return shape;
 }
 
@@ -190,7 +210,7 @@ TensorRef make_row_ref(const at::Tensor& t, const std::vector<int64_t>& batch) {
 
 AttentionParams make_params(const AttentionShape& shape, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
-                            double scale, const Band& band, double dropout_p,
+                            double scale, const LogitOptions& logit, double dropout_p,
                             const std::optional<at::Tensor>& rng_state) {
   AttentionParams p;
   p.dtype = to_scalar_type(q.scalar_type());
@@ -216,9 +236,12 @@ AttentionParams make_params(const AttentionShape& shape, const at::Tensor& q, co
     p.mask_kind = mask.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
   }
   p.scale = scale;
-  p.causal = static_cast<CausalKind>(band.causal);
-  p.window_left = band.window_left;
-  p.window_right = band.window_right;
+  p.causal = static_cast<CausalKind>(logit.causal);
+  p.window_left = logit.window_left;
+  p.window_right = logit.window_right;
+  p.softcap = logit.softcap;
+  if (logit.alibi_slopes.has_value()) p.alibi_slopes = batch_view(*logit.alibi_slopes, shape.batch, 0);
+  if (logit.sinks.has_value()) p.sinks = batch_view(*logit.sinks, shape.batch, 0);
   p.dropout_p = dropout_p;
   p.dropout_threshold = dropout_threshold(dropout_p);
   if (dropout_p > 0.0) {
@@ -244,10 +267,10 @@ std::pair<at::Tensor, at::Tensor> attach_row_shift(AttentionParams& p, const at:
 BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
                               const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const std::optional<at::Tensor>& attn_mask, const at::Tensor& out,
-                              const at::Tensor& lse, double scale, const Band& band, double dropout_p,
+                              const at::Tensor& lse, double scale, const LogitOptions& logit, double dropout_p,
                               const std::optional<at::Tensor>& rng_state, bool mask_requires_grad) {
   BackwardCall call;
-  call.shape = check_attention_inputs(q, k, v, attn_mask, scale, band, dropout_p, rng_state);
+  call.shape = check_attention_inputs(q, k, v, attn_mask, scale, logit, dropout_p, rng_state);
   const AttentionShape& shape = call.shape;
   const auto out_shape = with_tail(shape.batch, {shape.n, shape.dv});
   const auto lse_shape = with_tail(shape.batch, {shape.n});
@@ -289,7 +312,7 @@ BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at
   }
 
   AttentionParams& p = call.params;
-  p = make_params(shape, q, k, v, attn_mask, scale, band, dropout_p, rng_state);
+  p = make_params(shape, q, k, v, attn_mask, scale, logit, dropout_p, rng_state);
   p.out = make_ref(out, shape.batch);
   p.lse = make_row_ref(lse, shape.batch);
   p.grad_out = make_ref(grad_out, shape.batch);

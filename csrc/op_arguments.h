@@ -12,12 +12,17 @@
 
 namespace attention_ext {
 
-// Which keys each query may see by position, as the ops take it: the causal code (0 none, 1
-// top-left, 2 bottom-right) and the sliding window's (left, right), −1 = unbounded.
-struct Band {
+// How a call forms its logits beyond scale·q·k, as the ops take it: which keys each query may
+// see by position (the causal code: 0 none, 1 top-left, 2 bottom-right; the sliding window's
+// (left, right), −1 = unbounded), the score modifiers (softcap, 0 = none; ALiBi slopes, float32,
+// broadcasting to the batch dims) and the sinks.
+struct LogitOptions {
   int64_t causal = 0;
   int64_t window_left = -1;
   int64_t window_right = -1;
+  double softcap = 0.0;
+  std::optional<at::Tensor> alibi_slopes;
+  std::optional<at::Tensor> sinks;  // one logit per batch position, in the lse's dtype
 };
 
 // The validated shape of one call.
@@ -29,13 +34,13 @@ struct AttentionShape {
 // Checks q/k/v (and mask, if given) and returns the broadcast shape.
 AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const std::optional<at::Tensor>& attn_mask, double scale,
-                                      const Band& band, double dropout_p,
+                                      const LogitOptions& logit, double dropout_p,
                                       const std::optional<at::Tensor>& rng_state);
 
 // Fills sizes, dtype, q/k/v/mask views, scale, causal, window and dropout fields.
 AttentionParams make_params(const AttentionShape& shape, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
-                            double scale, const Band& band, double dropout_p,
+                            double scale, const LogitOptions& logit, double dropout_p,
                             const std::optional<at::Tensor>& rng_state);
 
 // View of a (batch_tail..., rows, cols) tensor broadcast to `batch`: stride 0 on missing or size-1
@@ -78,7 +83,7 @@ struct BackwardCall {
 BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
                               const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const std::optional<at::Tensor>& attn_mask, const at::Tensor& out,
-                              const at::Tensor& lse, double scale, const Band& band, double dropout_p,
+                              const at::Tensor& lse, double scale, const LogitOptions& logit, double dropout_p,
                               const std::optional<at::Tensor>& rng_state, bool mask_requires_grad);
 
 std::vector<int64_t> with_tail(std::vector<int64_t> batch, std::initializer_list<int64_t> tail);

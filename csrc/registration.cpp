@@ -5,6 +5,11 @@
 // causal: 0 = none, 1 = top-left (torch's is_causal), 2 = bottom-right (FlashAttention).
 // window_left / window_right: FlashAttention's sliding window, key j visible to query i iff
 // i + m − n − window_left <= j <= i + m − n + window_right; −1 = unbounded on that side.
+// softcap (0: none) and alibi_slopes (float32, broadcasting to the batch dims; no gradient): the
+// score modifiers, softcap·tanh(t / softcap) then −slope·|i + m − n − j| on the scaled score t.
+// sinks (the lse's dtype, broadcasting to the batch dims): one more always-visible key per row,
+// of that logit and value 0 (in the lse; its gradient is −Σ_rows exp(sink − lse)·delta, composed
+// in Python from the op's outputs).
 // rng_state: int64 (seed, offset) on the inputs' device, required when dropout_p > 0.
 #include <torch/library.h>
 
@@ -14,17 +19,18 @@
 TORCH_LIBRARY(attention_ext, m) {
   m.def(
       "attention_fwd(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float scale, "
-      "int causal, int window_left, int window_right, float dropout_p, Tensor? rng_state) -> "
+      "int causal, int window_left, int window_right, float softcap, Tensor? alibi_slopes, Tensor? sinks, "
+      "float dropout_p, Tensor? rng_state) -> "
       "(Tensor out, Tensor lse)");
   m.def(
       "attention_bwd(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, "
       "Tensor? attn_mask, Tensor out, Tensor lse, float scale, int causal, int window_left, "
-      "int window_right, float dropout_p, "
+      "int window_right, float softcap, Tensor? alibi_slopes, Tensor? sinks, float dropout_p, "
       "Tensor? rng_state, bool mask_requires_grad) -> (Tensor grad_query, Tensor grad_key, "
       "Tensor grad_value, Tensor grad_mask)");
   m.def(
       "attention_probs(Tensor query, Tensor key, Tensor? attn_mask, float scale, int causal, "
-      "int window_left, int window_right) -> Tensor");
+      "int window_left, int window_right, float softcap, Tensor? alibi_slopes, Tensor? sinks) -> Tensor");
   m.def(
       "dropout_keep_mask(Tensor rng_state, int[] batch_shape, int n, int m, float dropout_p) -> "
       "Tensor");

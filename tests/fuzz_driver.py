@@ -433,6 +433,12 @@ def public_call(r, g):
                                               p["q"].shape[-2] == p["k"].shape[-2]):
         # (a window is bottom-right aligned: with top-left causal only when n == m)
         kwargs["window"] = r.choice([None, (2, 0), (0, 0), (None, 3), (4, None), (1, 1)])
+    if fn != "sdpa" and r.random() < 0.2:
+        kwargs["softcap"] = r.choice([None, 5.0, 30.0])
+    if fn != "sdpa" and r.random() < 0.15 and p["q"].dim() >= 3:
+        kwargs["alibi_slopes"] = torch.rand(p["q"].shape[-3]).to(p["q"].device)
+    if fn != "sdpa" and r.random() < 0.15 and p["q"].dim() >= 3:
+        kwargs["sinks"] = torch.randn(p["q"].shape[-3]).to(p["q"].device)
     if r.random() < 0.3:
         kwargs["scale"] = r.choice([None, 0.5, -1.0, 0.0, 2.0])
     spec = dict(fn=fn, args=args, kwargs=kwargs, mutations=[])
@@ -458,6 +464,15 @@ def raw_call(r, g):
     window = r.choice([(-1, -1), (-1, -1), (-1, -1), (2, 0), (0, 3), (5, -1), (-1, 2)])
     if causal == 1 and q.shape[-2] != k.shape[-2]:  # a window is bottom-right: top-left only when n == m
         window = (-1, -1)
+    softcap = r.choice([0.0, 0.0, 0.0, 5.0, 30.0])
+    # ALiBi: one slope per batch position of the last batch dim (a head), or one for all.
+    alibi = None
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    if r.random() < 0.2 and len(batch) >= 1:
+        alibi = torch.rand(r.choice([1, batch[-1]])).to(q.device)
+    sinks = None
+    if r.random() < 0.2 and len(batch) >= 1:
+        sinks = (torch.randn(r.choice([1, batch[-1]])) * 2).to(q.device, LSE_DTYPE.get(q.dtype, torch.float32))
     dropout_p = r.choice([0.0, 0.0, 0.3])
     rng = torch.tensor([r.randrange(-2 ** 63, 2 ** 63), r.randrange(-2 ** 63, 2 ** 63)], dtype=torch.int64)
     fn = r.choice(["op_fwd", "op_fwd", "op_probs", "op_bwd", "op_bwd", "op_dropout_mask"])
@@ -499,9 +514,9 @@ def raw_call(r, g):
             mask = new if (new is None or isinstance(new, torch.Tensor)) else mask
         muts.append(f"replace_{which}")
     if fn == "op_fwd":
-        args = [q, k, v, mask, scale, causal, *window, dropout_p, rng]
+        args = [q, k, v, mask, scale, causal, *window, softcap, alibi, sinks, dropout_p, rng]
     elif fn == "op_probs":
-        args = [q, k, mask, scale, causal, *window]
+        args = [q, k, mask, scale, causal, *window, softcap, alibi, sinks]
     elif fn == "op_dropout_mask":
         shape = list(p["target"])
         if r.random() < 0.3:
@@ -509,7 +524,7 @@ def raw_call(r, g):
             muts.append("shape")
         args = [rng, shape[:-2], shape[-2], shape[-1], dropout_p if dropout_p != 0.0 else 0.5]
     else:
-        args = ["bwd", q, k, v, mask, scale, causal, *window, dropout_p, rng]
+        args = ["bwd", q, k, v, mask, scale, causal, *window, softcap, alibi, sinks, dropout_p, rng]
         muts.append(r.choice(["none", "none", "grad_out_shape", "grad_out_dtype", "out_shape", "lse_dtype",
                               "lse_shape", "grad_lse_shape", "grad_lse", "mask_grad", "mask_grad_bool",
                               "grad_out_meta", "noncontiguous_grad_out"]))
@@ -546,7 +561,8 @@ def effective_public(spec):
     scale = kw.get("scale")
     scale = None if scale is None else to_float(scale)
     p = to_float(kw.get("dropout_p", 0.0))
-    band = dict(causal=causal, window=kw.get("window"))
+    band = dict(causal=causal, window=kw.get("window"), softcap=kw.get("softcap") or 0.0,
+                alibi_slopes=kw.get("alibi_slopes"), sinks=kw.get("sinks"))
     return q, k, v, mask, band, scale, p, bool(kw.get("enable_gqa", False)), kw.get("return_lse", False)
 
 
@@ -729,6 +745,7 @@ def check_public_grads(spec, out, lse, tensors, band, scale, keep, p, gqa, smax,
 
 
 CAUSAL_NAMES = {0: None, 1: "top_left", 2: "bottom_right"}
+LSE_DTYPE = {torch.float64: torch.float64}  # float32 for the other dtypes
 
 
 def call_raw(spec):
@@ -740,10 +757,10 @@ def call_raw(spec):
         return dict(result=ops.attention_probs(*a))
     if fn == "op_dropout_mask":
         return dict(result=ops.dropout_keep_mask(*a), again=ops.dropout_keep_mask(*a))
-    _, q, k, v, mask, scale, causal, wl, wr, p, rng = a
+    _, q, k, v, mask, scale, causal, wl, wr, softcap, alibi, sinks, p, rng = a
     how = spec["mutations"][-1]
     # A forward first, so that out / lse are consistent (if it raises, so does this call).
-    out, lse = ops.attention_fwd(q, k, v, mask, scale, causal, wl, wr, p, rng)
+    out, lse = ops.attention_fwd(q, k, v, mask, scale, causal, wl, wr, softcap, alibi, sinks, p, rng)
     g = torch.Generator().manual_seed(7)
 
     def like(t):
@@ -779,7 +796,8 @@ def call_raw(spec):
     write_log(f"  BWD grad_out={describe(grad_out)} grad_lse={describe(grad_lse)} out={describe(out)} "
               f"lse={describe(lse)} mask={describe(mask)} mask_requires_grad={mask_grad}")
     spec["extra_tensors"] = [t for t in (grad_out, grad_lse, out, lse, mask) if isinstance(t, torch.Tensor)]
-    grads = ops.attention_bwd(grad_out, grad_lse, q, k, v, mask, out, lse, scale, causal, wl, wr, p, rng, mask_grad)
+    grads = ops.attention_bwd(grad_out, grad_lse, q, k, v, mask, out, lse, scale, causal, wl, wr, softcap, alibi,
+                              sinks, p, rng, mask_grad)
     return dict(result=grads, grad_out=grad_out, grad_lse=grad_lse, out=out, lse=lse, mask=mask,
                 mask_grad=mask_grad)
 
@@ -803,10 +821,10 @@ def check_raw(spec, ctx, failures):
             failures.append("dropout_keep_mask is not a function of its arguments")
         return
     if fn == "op_probs":
-        q, k, mask, scale, causal, wl, wr = a
+        q, k, mask, scale, causal, wl, wr, softcap, alibi, sinks = a
         v, p, rng = k.new_empty((*k.shape[:-1], 0)), 0.0, None
     else:
-        q, k, v, mask, scale, causal, wl, wr, p, rng = a[1:] if fn == "op_bwd" else a
+        q, k, v, mask, scale, causal, wl, wr, softcap, alibi, sinks, p, rng = a[1:] if fn == "op_bwd" else a
     if fn == "op_bwd":
         mask = ctx["mask"]
     # With a meta tensor anywhere the reference runs on the tensors as given: on meta it gives
@@ -823,7 +841,7 @@ def check_raw(spec, ctx, failures):
     rmask, mask_leaf = ref_mask(mask, requires_grad=ctx.get("mask_grad", False))
     ins = [t.detach().double().requires_grad_(fn == "op_bwd") for t in (q, k, v)]
     ref_out, ref_lse, ref_w = attention_reference(*ins, rmask, causal=CAUSAL_NAMES[causal], window=(wl, wr),
-                                                  scale=scale,
+                                                  softcap=softcap, alibi_slopes=alibi, sinks=sinks, scale=scale,
                                                   dropout_mask=keep, dropout_p=p)
     if fn == "op_probs":
         compare("weights", result, ref_w, ATOL[q.dtype] + slack + torch.finfo(q.dtype).eps, failures)

@@ -63,7 +63,7 @@ def run_workload(index, seed):
     if w.get("dropout"):
         rng = torch.tensor([seed, 1000 + index], dtype=torch.int64)
         causal = {None: 0, "top_left": 1, "bottom_right": 2}[w.get("causal")]
-        out, lse = AttentionFunction.apply(q, k, v, mask, 0.3, causal, -1, -1, w["dropout"], rng)
+        out, lse = AttentionFunction.apply(q, k, v, mask, 0.3, causal, -1, -1, 0.0, None, None, w["dropout"], rng)
     else:
         out, lse = attention_ext.attention(q, k, v, attn_mask=mask, causal=w.get("causal"),
                                            enable_gqa=w.get("gqa", False), return_lse=True)

@@ -229,7 +229,7 @@ def test_gradcheck_float64_dropout_fixed_rng():
     v = rand(2, 10, 3, dtype=torch.float64, device=DEVICE, requires_grad=True)
     rng = torch.tensor([1234, 5], dtype=torch.int64, device=DEVICE)
     assert torch.autograd.gradcheck(
-        lambda q, k, v: AttentionFunction.apply(q, k, v, None, 0.5, 0, -1, -1, 0.3, rng), (q, k, v))
+        lambda q, k, v: AttentionFunction.apply(q, k, v, None, 0.5, 0, -1, -1, 0.0, None, None, 0.3, rng), (q, k, v))
 
 
 def _philox_keep_mask(rng_state, batch_shape, n, m, p):
@@ -278,7 +278,7 @@ def test_dropout_forward_backward_matches_cpu_and_reference(dtype):
     res = {}
     for dev in ([DEVICE] if CUDA_EMULATION else ["cpu", DEVICE]):
         qd, kd, vd = (t.detach().to(dev).requires_grad_(True) for t in (q, k, v))
-        out, lse = AttentionFunction.apply(qd, kd, vd, None, scale, 0, -1, -1, p, rng.to(dev))
+        out, lse = AttentionFunction.apply(qd, kd, vd, None, scale, 0, -1, -1, 0.0, None, None, p, rng.to(dev))
         out.backward(torch.ones_like(out))
         res[dev] = (out, lse, qd.grad, kd.grad, vd.grad)
     if not CUDA_EMULATION:
@@ -421,9 +421,9 @@ def test_empty_sizes():
 def test_ops_validate_device():
     q = torch.randn(4, 8, device=DEVICE)
     with pytest.raises(RuntimeError):
-        ops.attention_fwd(q, torch.randn(4, 8), torch.randn(4, 8, device=DEVICE), None, 1.0, 0, -1, -1, 0.0, None)
+        ops.attention_fwd(q, torch.randn(4, 8), torch.randn(4, 8, device=DEVICE), None, 1.0, 0, -1, -1, 0.0, None, None, 0.0, None)
     with pytest.raises(RuntimeError):  # dropout needs rng_state on the inputs' device
-        ops.attention_fwd(q, q, q, None, 1.0, 0, -1, -1, 0.5, torch.tensor([1, 2]))
+        ops.attention_fwd(q, q, q, None, 1.0, 0, -1, -1, 0.0, None, None, 0.5, torch.tensor([1, 2]))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need the CUDA runtime")
@@ -431,12 +431,12 @@ def test_no_host_sync_with_dropout():
     """rng_state stays on the device: the forward with dropout can be captured in a CUDA graph."""
     q = torch.randn(2, 64, 32, device=DEVICE)
     rng = torch.tensor([5, 6], dtype=torch.int64, device=DEVICE)
-    ops.attention_fwd(q, q, q, None, 0.1, 0, -1, -1, 0.2, rng)  # warm-up (allocations)
+    ops.attention_fwd(q, q, q, None, 0.1, 0, -1, -1, 0.0, None, None, 0.2, rng)  # warm-up (allocations)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, _ = ops.attention_fwd(q, q, q, None, 0.1, 0, -1, -1, 0.2, rng)
+        out, _ = ops.attention_fwd(q, q, q, None, 0.1, 0, -1, -1, 0.0, None, None, 0.2, rng)
     graph.replay()
     torch.cuda.synchronize()
-    expected, _ = ops.attention_fwd(q, q, q, None, 0.1, 0, -1, -1, 0.2, rng)
+    expected, _ = ops.attention_fwd(q, q, q, None, 0.1, 0, -1, -1, 0.0, None, None, 0.2, rng)
     assert torch.equal(out, expected)

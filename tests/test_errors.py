@@ -86,13 +86,13 @@ def test_unknown_causal_kind():
 def test_ops_check_their_inputs_too():
     # The raw ops are public: they validate rather than crash.
     with pytest.raises(RuntimeError, match=r"query and key must have the same head dim"):
-        torch.ops.attention_ext.attention_fwd(t(2, 3, 4), t(2, 3, 5), t(2, 3, 5), None, 1.0, 0, -1, -1, 0.0, None)
+        torch.ops.attention_ext.attention_fwd(t(2, 3, 4), t(2, 3, 5), t(2, 3, 5), None, 1.0, 0, -1, -1, 0.0, None, None, 0.0, None)
     with pytest.raises(RuntimeError, match=r"causal must be 0 \(none\), 1 \(top-left\) or 2 \(bottom-right\)"):
-        torch.ops.attention_ext.attention_fwd(t(2, 3, 4), t(2, 3, 4), t(2, 3, 4), None, 1.0, 7, -1, -1, 0.0, None)
+        torch.ops.attention_ext.attention_fwd(t(2, 3, 4), t(2, 3, 4), t(2, 3, 4), None, 1.0, 7, -1, -1, 0.0, None, None, 0.0, None)
     with pytest.raises(RuntimeError, match=r"dropout_p > 0 needs an rng_state"):
-        torch.ops.attention_ext.attention_fwd(t(2, 3, 4), t(2, 3, 4), t(2, 3, 4), None, 1.0, 0, -1, -1, 0.5, None)
+        torch.ops.attention_ext.attention_fwd(t(2, 3, 4), t(2, 3, 4), t(2, 3, 4), None, 1.0, 0, -1, -1, 0.0, None, None, 0.5, None)
     with pytest.raises(RuntimeError, match=r"at most 8 batch dims"):
-        torch.ops.attention_ext.attention_fwd(t(*[1] * 9, 3, 4), t(3, 4), t(3, 4), None, 1.0, 0, -1, -1, 0.0, None)
+        torch.ops.attention_ext.attention_fwd(t(*[1] * 9, 3, 4), t(3, 4), t(3, 4), None, 1.0, 0, -1, -1, 0.0, None, None, 0.0, None)
 
 
 def test_unknown_cpu_variant():

@@ -22,15 +22,22 @@ from attention_ext import flash_attn_func, flash_attn_kvpacked_func, flash_attn_
 TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2)}
 
 
-def reference(q, k, v, causal=False, scale=None, window_size=(-1, -1)):
+def reference(q, k, v, causal=False, scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """float64, FlashAttention's definition written out: (out, lse) in its layouts. Query i sits at
     key i + sk - sq; window (left, right) keeps keys within left before and right after it (-1:
-    no limit); causal sets right to 0."""
+    no limit); causal sets right to 0. softcap: softcap·tanh(s / softcap) of the scaled score s;
+    alibi_slopes ((heads,) or (batch, heads)): -slope·|i + sk - sq - j| added after it."""
     q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = q @ k.transpose(-1, -2) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        sq, sk = q.shape[-2], k.shape[-2]
+        distance = (torch.arange(sq).unsqueeze(-1) + sk - sq - torch.arange(sk)).abs()
+        s = s - alibi_slopes.double()[..., None, None] * distance
     left, right = window_size
     if causal:
         right = 0
@@ -95,10 +102,39 @@ def test_forward_and_gradients_match_the_reference(dtype, causal, window_size, s
         torch.testing.assert_close(a.double(), b, rtol=4 * rtol, atol=4 * atol, msg=lambda m: f"d{name}: {m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("softcap", [0.0, 1.5], ids=["no_cap", "cap"])
+@pytest.mark.parametrize("alibi", [None, "heads", "batch_heads"])
+@pytest.mark.parametrize("sq,sk,kv_heads", [(33, 33, 4), (9, 40, 2), (40, 9, 1)], ids=str)
+def test_softcap_and_alibi_match_the_reference(dtype, softcap, alibi, sq, sk, kv_heads):
+    q, k, v = make(2, sq, sk, 4, kv_heads, 16, dtype, requires_grad=True)
+    slopes = {None: None, "heads": torch.tensor([0.5, 0.25, 0.125, 0.0625]),
+              "batch_heads": torch.rand(2, 4, generator=torch.Generator().manual_seed(3))}[alibi]
+    kwargs = dict(softcap=softcap, alibi_slopes=slopes, window_size=(12, 3))
+    out, lse, probs = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = reference(q64, k64, v64, **kwargs)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref_out, rtol=rtol, atol=atol)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=rtol, atol=atol)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
+    want = torch.autograd.grad(ref_out, (q64, k64, v64), grad)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a.double(), b, rtol=4 * rtol, atol=4 * atol, msg=lambda m: f"d{name}: {m}")
+
+
 def test_gradcheck_in_float64_through_the_fused_kernels():
     q, k, v = make(1, 5, 7, 4, 2, 6, torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda q, k, v: flash_attn_func(q, k, v, causal=True), (q, k, v))
     assert torch.autograd.gradcheck(lambda q, k, v: flash_attn_func(q, k, v, window_size=(2, 1)), (q, k, v))
+    slopes = torch.tensor([0.3, 0.1, 0.7, 0.2])
+
+    def capped_alibi_dropout(q, k, v):
+        torch.manual_seed(5)  # the same dropout draw on every call
+        return flash_attn_func(q, k, v, causal=True, softcap=0.8, alibi_slopes=slopes, dropout_p=0.2)
+
+    assert torch.autograd.gradcheck(capped_alibi_dropout, (q, k, v))
     assert torch.autograd.gradgradcheck(lambda q, k, v: flash_attn_func(q, k, v), (q, k, v))
 
 
@@ -159,8 +195,10 @@ def test_compiles_fullgraph():
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"window_size": (-2, 0)}, ValueError, r"window_size values must be -1 \(unbounded\) or >= 0"),
     ({"window_size": 5}, TypeError, r"window_size must be a pair of ints"),
-    ({"softcap": 30.0}, NotImplementedError, r"softcap=30.0 is not supported yet"),
-    ({"alibi_slopes": torch.ones(2)}, NotImplementedError, r"alibi_slopes are not supported yet"),
+    ({"softcap": -1.0}, ValueError, r"softcap must be a finite number > 0 \(or None / 0.0 for none\), got -1.0"),
+    ({"softcap": "big"}, TypeError, r"softcap must be a float"),
+    ({"alibi_slopes": torch.ones(3)}, ValueError, r"alibi_slopes of shape \(3,\) does not broadcast"),
+    ({"alibi_slopes": torch.ones(2, dtype=torch.float64)}, TypeError, r"alibi_slopes must be torch.float32"),
     ({"causal": 1}, TypeError, r"causal must be a bool"),
 ])
 def test_arguments_not_supported_yet_raise_instead_of_being_ignored(kwargs, error, match):

@@ -262,15 +262,15 @@ def test_raw_ops_with_a_meta_tensor_validate_like_the_cpu_kernels():
     q, k, v = t(2, 3, 4), t(2, 5, 4), t(2, 5, 3)
     meta = torch.empty(2, 5, 4, device="meta")
     with pytest.raises(RuntimeError, match=r"same device"):
-        ops.attention_fwd(q, meta, v, None, 1.0, 0, -1, -1, 0.0, None)
+        ops.attention_fwd(q, meta, v, None, 1.0, 0, -1, -1, 0.0, None, None, 0.0, None)
     with pytest.raises(RuntimeError, match=r"same device"):
-        ops.attention_probs(q, meta, None, 1.0, 0, -1, -1)
+        ops.attention_probs(q, meta, None, 1.0, 0, -1, -1, 0.0, None, None)
     with pytest.raises(RuntimeError, match=r"causal must be"):
-        ops.attention_fwd(q.to("meta"), k.to("meta"), v.to("meta"), None, 1.0, 7, -1, -1, 0.0, None)
+        ops.attention_fwd(q.to("meta"), k.to("meta"), v.to("meta"), None, 1.0, 7, -1, -1, 0.0, None, None, 0.0, None)
     with pytest.raises(RuntimeError, match=r"same head dim"):
-        ops.attention_fwd(q.to("meta"), t(2, 5, 6).to("meta"), v.to("meta"), None, 1.0, 0, -1, -1, 0.0, None)
+        ops.attention_fwd(q.to("meta"), t(2, 5, 6).to("meta"), v.to("meta"), None, 1.0, 0, -1, -1, 0.0, None, None, 0.0, None)
     with pytest.raises(RuntimeError, match=r"at least 2 dims"):  # the fake kernel: IndexError
-        ops.attention_fwd(t(72), k, v, None, 1.0, 0, -1, -1, 0.3, torch.zeros(2, dtype=torch.int64, device="meta"))
+        ops.attention_fwd(t(72), k, v, None, 1.0, 0, -1, -1, 0.0, None, None, 0.3, torch.zeros(2, dtype=torch.int64, device="meta"))
 
 
 def test_raw_attention_probs_with_a_0d_key_raises_instead_of_crashing():
@@ -279,7 +279,7 @@ def test_raw_attention_probs_with_a_0d_key_raises_instead_of_crashing():
     code = ("import torch, attention_ext\n"
             "q, k = torch.randn(2, 5, 4), torch.ones(())\n"
             "try:\n"
-            "    torch.ops.attention_ext.attention_probs(q, k, None, 0.5, 0, -1, -1)\n"
+            "    torch.ops.attention_ext.attention_probs(q, k, None, 0.5, 0, -1, -1, 0.0, None, None)\n"
             "except RuntimeError as e:\n"
             "    print('raised:', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(),
@@ -292,7 +292,7 @@ def test_raw_attention_probs_with_a_0d_key_raises_instead_of_crashing():
 def test_raw_ops_reject_a_scale_that_overflows_the_accumulation_dtype(dtype):
     q, k, v = t(2, 3, 4, dtype=dtype), t(2, 5, 4, dtype=dtype), t(2, 5, 3, dtype=dtype)
     try:
-        out, _ = ops.attention_fwd(q, k, v, None, 1e39, 0, -1, -1, 0.0, None)
+        out, _ = ops.attention_fwd(q, k, v, None, 1e39, 0, -1, -1, 0.0, None, None, 0.0, None)
     except RuntimeError as e:
         assert "scale" in str(e)
         return

@@ -65,7 +65,7 @@ def one_call(cfg, i):
     q, k, v, mask = cfg["q"], cfg["k"], cfg["v"], cfg.get("mask")
     if cfg.get("dropout"):
         rng = torch.tensor([i, 7], dtype=torch.int64)
-        out, lse = AttentionFunction.apply(q, k, v, mask, 0.125, 0, -1, -1, cfg["dropout"], rng)
+        out, lse = AttentionFunction.apply(q, k, v, mask, 0.125, 0, -1, -1, 0.0, None, None, cfg["dropout"], rng)
     else:
         out, lse = attention_ext.attention(q, k, v, attn_mask=mask, causal=cfg.get("causal"),
                                            enable_gqa=cfg.get("gqa", False), return_lse=True)
@@ -96,16 +96,16 @@ def _failing_calls():
     """Calls that pass the Python checks of the raw ops and fail inside C++ validation (after
     building tensors and messages), plus public calls that fail in Python."""
     q, k, v = torch.randn(2, 64, 32), torch.randn(2, 80, 32), torch.randn(2, 80, 32)
-    out, lse = torch.ops.attention_ext.attention_fwd(q, k, v, None, 0.2, 0, -1, -1, 0.0, None)
+    out, lse = torch.ops.attention_ext.attention_fwd(q, k, v, None, 0.2, 0, -1, -1, 0.0, None, None, 0.0, None)
     ops = torch.ops.attention_ext
     return [
-        lambda: ops.attention_fwd(q, k[..., :31], v, None, 0.2, 0, -1, -1, 0.0, None),          # head dims differ
-        lambda: ops.attention_fwd(q, k, v, None, 0.2, 5, -1, -1, 0.0, None),                    # causal kind
-        lambda: ops.attention_fwd(q, k, v, torch.zeros(3, 64, 80), 0.2, 0, -1, -1, 0.0, None),  # mask shape
-        lambda: ops.attention_fwd(q, k, v, None, 0.2, 0, -1, -1, 0.5, torch.zeros(3, dtype=torch.int64)),  # rng_state
-        lambda: ops.attention_bwd(out[:, :1], None, q, k, v, None, out, lse, 0.2, 0, -1, -1, 0.0, None, False),
-        lambda: ops.attention_bwd(out, None, q, k, v, None, out, lse.double(), 0.2, 0, -1, -1, 0.0, None, False),
-        lambda: ops.attention_probs(q, k, torch.zeros(64, 81, dtype=torch.bool), 0.2, 0, -1, -1),
+        lambda: ops.attention_fwd(q, k[..., :31], v, None, 0.2, 0, -1, -1, 0.0, None, None, 0.0, None),          # head dims differ
+        lambda: ops.attention_fwd(q, k, v, None, 0.2, 5, -1, -1, 0.0, None, None, 0.0, None),                    # causal kind
+        lambda: ops.attention_fwd(q, k, v, torch.zeros(3, 64, 80), 0.2, 0, -1, -1, 0.0, None, None, 0.0, None),  # mask shape
+        lambda: ops.attention_fwd(q, k, v, None, 0.2, 0, -1, -1, 0.0, None, None, 0.5, torch.zeros(3, dtype=torch.int64)),  # rng_state
+        lambda: ops.attention_bwd(out[:, :1], None, q, k, v, None, out, lse, 0.2, 0, -1, -1, 0.0, None, None, 0.0, None, False),
+        lambda: ops.attention_bwd(out, None, q, k, v, None, out, lse.double(), 0.2, 0, -1, -1, 0.0, None, None, 0.0, None, False),
+        lambda: ops.attention_probs(q, k, torch.zeros(64, 81, dtype=torch.bool), 0.2, 0, -1, -1, 0.0, None, None),
         lambda: attention_ext.attention(q, k, v, scale=float("nan")),
         lambda: attention_ext.scaled_dot_product_attention(q, k, v, dropout_p=1.5),
     ]

@@ -30,7 +30,7 @@ CAUSAL = {None: 0, "top_left": 1, "bottom_right": 2}
 def _forward(q, k, v, mask=None, causal=None, p=0.0, rng=None, simt=False, monkeypatch=None):
     monkeypatch.setenv("ATTENTION_EXT_CUDA_SIMT", "1" if simt else "0")
     d = q.shape[-1]
-    return ops.attention_fwd(q, k, v, mask, 1.0 / math.sqrt(d), CAUSAL[causal], -1, -1, p, rng)
+    return ops.attention_fwd(q, k, v, mask, 1.0 / math.sqrt(d), CAUSAL[causal], -1, -1, 0.0, None, None, p, rng)
 
 
 def _randn(*shape, dtype):

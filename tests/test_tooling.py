@@ -14,10 +14,12 @@ ops = torch.ops.attention_ext
 def fwd_samples():
     f32 = torch.float32
     yield (rand(2, 3, 5, 4, dtype=f32), rand(2, 3, 7, 4, dtype=f32), rand(2, 3, 7, 6, dtype=f32), None, 0.5, 0, -1, -1,
-           0.0, None)
-    yield (rand(3, 5, 4), rand(1, 7, 4), rand(1, 7, 3), rand(5, 7), 0.3, 2, 4, -1, 0.0, None)
+           0.0, None, None, 0.0, None)
+    yield (rand(3, 5, 4), rand(1, 7, 4), rand(1, 7, 3), rand(5, 7), 0.3, 2, 4, -1, 30.0, torch.rand(3),
+           torch.randn(3, dtype=torch.float64), 0.0, None)
     yield (rand(2, 5, 4, dtype=f32), rand(2, 7, 4, dtype=f32), rand(2, 7, 3, dtype=f32),
-           torch.rand(2, 1, 7) > 0.3, 1.0, 0, 1, 2, 0.25, draw_rng_state("cpu"))
+           torch.rand(2, 1, 7) > 0.3, 1.0, 0, 1, 2, 0.0, None, torch.randn(2), 0.25,
+           draw_rng_state("cpu"))
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])
@@ -31,15 +33,18 @@ def test_opcheck_forward(requires_grad):
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_opcheck_backward(requires_grad):
     q, k, v, mask = rand(2, 5, 4), rand(2, 7, 4), rand(2, 7, 3), rand(2, 5, 7)
-    out, lse = ops.attention_fwd(q, k, v, mask, 0.5, 1, -1, -1, 0.0, None)
-    args = [torch.randn_like(out), torch.randn_like(lse), q, k, v, mask, out, lse, 0.5, 1, -1, -1, 0.0, None, True]
+    out, lse = ops.attention_fwd(q, k, v, mask, 0.5, 1, -1, -1, 0.0, None, None, 0.0, None)
+    args = [torch.randn_like(out), torch.randn_like(lse), q, k, v, mask, out, lse, 0.5, 1, -1, -1, 20.0, torch.rand(2),
+            torch.randn(2, dtype=torch.float64), 0.0, None, True]
     args = [a.clone().requires_grad_(requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
     torch.library.opcheck(ops.attention_bwd, args)
 
 
 def test_opcheck_probs_and_dropout_mask():
-    torch.library.opcheck(ops.attention_probs, (rand(2, 5, 4, requires_grad=True), rand(2, 7, 4), None, 0.5, 2, -1, -1))
-    torch.library.opcheck(ops.attention_probs, (rand(2, 5, 4, requires_grad=True), rand(2, 7, 4), None, 0.5, 0, 1, 1))
+    q, k = rand(2, 5, 4, requires_grad=True), rand(2, 7, 4)
+    torch.library.opcheck(ops.attention_probs, (q, k, None, 0.5, 2, -1, -1, 0.0, None, None))
+    torch.library.opcheck(ops.attention_probs, (q, k, None, 0.5, 0, 1, 1, 5.0, torch.rand(1),
+                                                rand(2, requires_grad=True)))
     torch.library.opcheck(ops.dropout_keep_mask, (draw_rng_state("cpu"), [2, 3], 5, 7, 0.5))
 
 

@@ -179,7 +179,7 @@ def test_causal_caps_the_right_edge_at_the_diagonal(n, m):
         with pytest.raises(ValueError, match=r"aligned bottom-right and cannot be combined with top-left causal"):
             attention_ext.attention(q, k, v, causal="top_left", window=(3, None))
         with pytest.raises(RuntimeError, match=r"aligned bottom-right and cannot be combined with top-left causal"):
-            ops.attention_fwd(q, k, v, None, 0.5, 1, 3, -1, 0.0, None)
+            ops.attention_fwd(q, k, v, None, 0.5, 1, 3, -1, 0.0, None, None, 0.0, None)
 
 
 def test_no_window_and_an_unbounded_window_are_the_same_call():
@@ -211,18 +211,18 @@ def test_raw_ops_and_their_fake_kernels_check_the_window():
     for device in ("cpu", "meta"):
         qd, kd, vd = (t.to(device) for t in (q, k, v))
         with pytest.raises(RuntimeError, match=r"window bounds must be >= 0, or -1 for unbounded, got \(-2, 0\)"):
-            ops.attention_fwd(qd, kd, vd, None, 0.5, 0, -2, 0, 0.0, None)
+            ops.attention_fwd(qd, kd, vd, None, 0.5, 0, -2, 0, 0.0, None, None, 0.0, None)
         with pytest.raises(RuntimeError, match=r"window bounds must be >= 0, or -1 for unbounded, got \(1, -7\)"):
-            ops.attention_probs(qd, kd, None, 0.5, 0, 1, -7)
+            ops.attention_probs(qd, kd, None, 0.5, 0, 1, -7, 0.0, None, None)
 
 
 def test_opcheck_and_compiled_fullgraph_calls_with_a_window():
     q, k, v = inputs(5, 9, 8, torch.float32, requires_grad=True)
-    torch.library.opcheck(ops.attention_fwd, (q, k, v, None, 0.4, 2, 3, 1, 0.0, None))
-    out, lse = ops.attention_fwd(q, k, v, None, 0.4, 0, 2, 2, 0.0, None)
+    torch.library.opcheck(ops.attention_fwd, (q, k, v, None, 0.4, 2, 3, 1, 0.0, None, None, 0.0, None))
+    out, lse = ops.attention_fwd(q, k, v, None, 0.4, 0, 2, 2, 0.0, None, None, 0.0, None)
     torch.library.opcheck(ops.attention_bwd, (torch.randn_like(out), None, q, k, v, None, out, lse, 0.4, 0, 2, 2,
-                                              0.0, None, False))
-    torch.library.opcheck(ops.attention_probs, (q, k, None, 0.4, 0, 0, 3))
+                                              0.0, None, None, 0.0, None, False))
+    torch.library.opcheck(ops.attention_probs, (q, k, None, 0.4, 0, 0, 3, 0.0, None, None))
     torch._dynamo.reset()
     fn = torch.compile(lambda q, k, v: attention_ext.attention(q, k, v, window=(3, 1)), fullgraph=True, backend="eager")
     out = fn(q, k, v)

@@ -106,14 +106,16 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
                                                  const at::Tensor& v,
                                                  const std::optional<at::Tensor>& attn_mask,
                                                  double scale, int64_t causal, int64_t window_left,
-                                                 int64_t window_right, double dropout_p,
+                                                 int64_t window_right, double softcap,
+                                                 const std::optional<at::Tensor>& alibi_slopes,
+                                                 const std::optional<at::Tensor>& sinks, double dropout_p,
                                                  const std::optional<at::Tensor>& rng_state) {
-  const Band band{causal, window_left, window_right};
+  const LogitOptions logit{causal, window_left, window_right, softcap, alibi_slopes, sinks};
   const AttentionShape shape =
-      check_attention_inputs(q, k, v, attn_mask, scale, band, dropout_p, rng_state);
+      check_attention_inputs(q, k, v, attn_mask, scale, logit, dropout_p, rng_state);
   auto [out, lse] = allocate_forward_outputs(shape, q);
   if (lse.numel() == 0) return {out, lse};
-  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, band, dropout_p, rng_state);
+  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, logit, dropout_p, rng_state);
   p.out = make_ref(out, shape.batch);
   p.lse = make_row_ref(lse, shape.batch);
   run_forward(p, q);
@@ -124,11 +126,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
     const at::Tensor& out, const at::Tensor& lse, double scale, int64_t causal, int64_t window_left,
-    int64_t window_right, double dropout_p, const std::optional<at::Tensor>& rng_state,
-    bool mask_requires_grad) {
-  const Band band{causal, window_left, window_right};
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                                                 const std::optional<at::Tensor>& sinks, double dropout_p,
+    const std::optional<at::Tensor>& rng_state, bool mask_requires_grad) {
+  const LogitOptions logit{causal, window_left, window_right, softcap, alibi_slopes, sinks};
   BackwardCall call = prepare_backward(grad_out, grad_lse, q, k, v, attn_mask, out, lse, scale,
-                                       band, dropout_p, rng_state, mask_requires_grad);
+                                       logit, dropout_p, rng_state, mask_requires_grad);
   at::Tensor &gq = call.grad_q, &gk = call.grad_k, &gv = call.grad_v, &gmask = call.grad_mask;
   if (call.no_rows) return {gq, gk, gv, gmask};
   const AttentionShape& shape = call.shape;
@@ -155,15 +158,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
 
 at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
                            const std::optional<at::Tensor>& attn_mask, double scale, int64_t causal,
-                           int64_t window_left, int64_t window_right) {
-  const Band band{causal, window_left, window_right};
+                           int64_t window_left, int64_t window_right, double softcap,
+                           const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
+  const LogitOptions logit{causal, window_left, window_right, softcap, alibi_slopes, sinks};
   // A value tensor with no columns: the forward kernel then computes only the lse.
   const at::Tensor v = empty_value_for(k);
-  const AttentionShape shape = check_attention_inputs(q, k, v, attn_mask, scale, band, 0.0, {});
-  const auto lse_pair = attention_fwd(q, k, v, attn_mask, scale, causal, window_left, window_right, 0.0, {});
+  const AttentionShape shape = check_attention_inputs(q, k, v, attn_mask, scale, logit, 0.0, {});
+  const auto lse_pair = attention_fwd(q, k, v, attn_mask, scale, causal, window_left, window_right, softcap,
+                                      alibi_slopes, sinks, 0.0, {});
   at::Tensor probs = at::empty(with_tail(shape.batch, {shape.n, shape.m}), q.options());
   if (probs.numel() == 0) return probs;
-  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, band, 0.0, {});
+  AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, logit, 0.0, {});
   const at::Tensor& lse = std::get<1>(lse_pair);
   p.lse = make_row_ref(lse, shape.batch);
   const auto row_shift = attach_row_shift(p, lse, shape);

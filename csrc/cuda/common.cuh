@@ -61,17 +61,27 @@ __device__ __forceinline__ void store_acc2(float a, float b, __nv_bfloat16* dst,
 // ---------------------------------------------------------------------------------------------
 // Per-call constants every tile needs.
 
+// What a batch position brings to the logit pipeline: its mask offset and its ALiBi slope
+// (times log2 e; 0 without ALiBi). DevCtx::terms makes it once per work item.
+template <typename A>
+struct BatchTerms {
+  int64_t mask_base;
+  A alibi;
+};
+
 template <typename T>
 struct DevCtx {
   using A = typename AccOf<T>::type;
-  A scale_log2;   // scale * log2(e)
-  A inv_keep;     // 1 / (1 - p)
+  A scale_log2;    // scale * log2(e)
+  A softcap_log2;  // softcap * log2(e); 0: no softcap
+  A inv_keep;      // 1 / (1 - p)
   A mask_lowest;  // lowest_finite(dtype): additive-mask entries at or below it mask the key
   uint64_t seed, offset;
   bool dropout;
 
   __device__ explicit DevCtx(const AttentionParams& p)
       : scale_log2(static_cast<A>(p.scale * kLog2e)),
+        softcap_log2(static_cast<A>(p.softcap * kLog2e)),
         inv_keep(static_cast<A>(1.0 / (1.0 - p.dropout_p))),
         mask_lowest(static_cast<A>(lowest_finite(p.dtype))),
         seed(p.seed),
@@ -83,19 +93,34 @@ struct DevCtx {
     }
   }
 
-  // Scaled, masked logit in log2 units of raw score s at (row i, key j) of the batch position
-  // whose mask offset is mask_base. valid = i < n && j < m; invalid entries become -inf.
+  __device__ __forceinline__ BatchTerms<A> terms(const AttentionParams& p, const int64_t* idx) const {
+    BatchTerms<A> t{p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx), A(0)};
+    if (p.alibi_slopes.data != nullptr)
+      t.alibi = static_cast<A>(
+          static_cast<double>(static_cast<const float*>(p.alibi_slopes.data)[batch_offset(p, p.alibi_slopes, idx)]) *
+          kLog2e);
+    return t;
+  }
+
+  // Scaled, modified (softcap, ALiBi), masked logit in log2 units of raw score s at (row i, key j)
+  // of the batch position `at`. valid = i < n && j < m; invalid entries become -inf. With dcap and
+  // a softcap, *dcap receives the softcap's derivative (the backward's chain rule for dQ, dK).
   __device__ __forceinline__ A logit(const AttentionParams& p, A s, int64_t i, int64_t j, bool valid,
-                                     int64_t mask_base) const {
+                                     const BatchTerms<A>& at, A* dcap = nullptr) const {
     if (!valid) return neg_inf<A>();
     A x = scaled_logit(s, scale_log2);
+    if (softcap_log2 != A(0)) {
+      x = softcapped_logit(x, softcap_log2);
+      if (dcap != nullptr) *dcap = softcap_derivative(x, softcap_log2);
+    }
+    if (at.alibi != A(0)) x += alibi_bias(at.alibi, i, j, p.m - p.n);
     if (p.mask_kind == MaskKind::kAdditive) {
       const T* mask = static_cast<const T*>(p.mask.data);
-      x = with_additive_mask(x, to_acc(mask[mask_base + i * p.mask.row_stride + j * p.mask.col_stride]),
+      x = with_additive_mask(x, to_acc(mask[at.mask_base + i * p.mask.row_stride + j * p.mask.col_stride]),
                              mask_lowest);
     } else if (p.mask_kind == MaskKind::kBool) {
       const uint8_t* mask = static_cast<const uint8_t*>(p.mask.data);
-      if (!mask[mask_base + i * p.mask.row_stride + j * p.mask.col_stride]) x = neg_inf<A>();
+      if (!mask[at.mask_base + i * p.mask.row_stride + j * p.mask.col_stride]) x = neg_inf<A>();
     }
     if (has_band(p) && !key_visible(p, i, j)) x = neg_inf<A>();
     return x;

@@ -43,15 +43,17 @@ __global__ void __launch_bounds__(kThreads) delta_kernel(const __grid_constant__
 }
 
 // For the query tile at i0 (rows valid) and key tile at j0 (cols valid) of batch position idx
-// (linear b): P∘Z and dS = P ∘ (dP∘Z − delta) in the score layout. Rows/keys outside the tile
-// give 0. Xs/Ys: the two staging tiles of tile_dot.
+// (linear b): P∘Z and dS = P ∘ (dP∘Z − delta) in the score layout, the gradient of the logits
+// (what a float mask gets); with `of_scores` and a softcap, times the softcap's derivative: the
+// gradient of the raw scores, for dQ and dK. Rows/keys outside the tile give 0. Xs/Ys: the two
+// staging tiles of tile_dot.
 template <typename T>
 __device__ __forceinline__ void score_gradient(const AttentionParams& p, const DevCtx<T>& ctx,
                                                const int64_t* idx, int64_t b, int64_t i0, int64_t rows,
                                                int64_t j0, int64_t cols,
                                                typename AccOf<T>::type* Xs, typename AccOf<T>::type* Ys,
                                                int r, int g, typename AccOf<T>::type (&pz)[8],
-                                               typename AccOf<T>::type (&ds)[8]) {
+                                               typename AccOf<T>::type (&ds)[8], bool of_scores = true) {
   using A = typename AccOf<T>::type;
   const A ninf = neg_inf<A>();
   const int64_t i = i0 + r;
@@ -60,14 +62,16 @@ __device__ __forceinline__ void score_gradient(const AttentionParams& p, const D
   const T* v = static_cast<const T*>(p.v.data) + batch_offset(p, p.v, idx) + j0 * p.v.row_stride;
   const T* dout = static_cast<const T*>(p.grad_out.data) + batch_offset(p, p.grad_out, idx) +
                   i0 * p.grad_out.row_stride;
-  const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);
+  const auto at = ctx.terms(p, idx);
   A hi = ninf, lo = A(0), delta = A(0);
   if (r < rows) {
     hi = static_cast<const A*>(p.shift_hi.data)[batch_offset(p, p.shift_hi, idx) + i * p.shift_hi.row_stride];
     lo = static_cast<const A*>(p.shift_lo.data)[batch_offset(p, p.shift_lo, idx) + i * p.shift_lo.row_stride];
     delta = static_cast<const A*>(p.delta.data)[batch_offset(p, p.delta, idx) + i * p.delta.row_stride];
   }
-  tile_logits(pz, p, ctx, Xs, Ys, q, i0, rows, k, j0, cols, mask_base, r, g);
+  const bool chain_softcap = of_scores && ctx.softcap_log2 != A(0);  // uniform over the CTA
+  A dcap[8];
+  tile_logits(pz, p, ctx, Xs, Ys, q, i0, rows, k, j0, cols, at, r, g, chain_softcap ? &dcap : nullptr);
   tile_dot(ds, Xs, Ys, dout, p.grad_out.row_stride, p.grad_out.col_stride, rows, v, p.v.row_stride,
            p.v.col_stride, cols, p.dv, r, g);
 #pragma unroll
@@ -81,7 +85,7 @@ __device__ __forceinline__ void score_gradient(const AttentionParams& p, const D
       const A pw = (hi == ninf || !valid) ? A(0) : exp2_acc((pz[h * 4 + e] - hi) - lo);
       const bool keep = !ctx.dropout || w.w[e] >= p.dropout_threshold;
       const A dp = keep ? (ctx.dropout ? ds[h * 4 + e] * ctx.inv_keep : ds[h * 4 + e]) : A(0);
-      ds[h * 4 + e] = valid ? pw * (dp - delta) : A(0);
+      ds[h * 4 + e] = valid ? pw * (dp - delta) * (chain_softcap ? dcap[h * 4 + e] : A(1)) : A(0);
       pz[h * 4 + e] = keep ? (ctx.dropout ? pw * ctx.inv_keep : pw) : A(0);
     }
   }
@@ -304,7 +308,7 @@ __global__ void __launch_bounds__(kThreads) bwd_mask_kernel(const __grid_constan
         for (int64_t i0 = i_first; i0 < imin(q_end, rows_seeing_end(p, j0 + cols)); i0 += kBM) {
           const int64_t rows = imin(kBM, q_end - i0);
           A pz[8], ds[8];
-          score_gradient<T>(p, ctx, idx, b, i0, rows, j0, cols, Xs, Ys, r, g, pz, ds);
+          score_gradient<T>(p, ctx, idx, b, i0, rows, j0, cols, Xs, Ys, r, g, pz, ds, /*of_scores=*/false);
 #pragma unroll
           for (int t = 0; t < 8; ++t) gacc[t] += ds[t];
         }

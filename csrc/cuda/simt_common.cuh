@@ -88,11 +88,13 @@ __device__ __forceinline__ A row_sum8(A v) {
 
 // The log2-domain logits of a query tile (rows valid, starting at row i0; q points at it) against
 // a key tile (cols valid, starting at key j0; k points at it) in the score layout: scaled, masked
-// and causal as DevCtx::logit, -inf outside the tile. mask_base: the batch position's mask offset.
+// and visible as DevCtx::logit, -inf outside the tile. at: the batch position's terms. With dcap,
+// the softcap's derivative of each logit goes there (DevCtx::logit).
 template <typename T, typename A>
 __device__ __forceinline__ void tile_logits(A (&s)[8], const AttentionParams& p, const DevCtx<T>& ctx, A* Xs,
                                             A* Ys, const T* q, int64_t i0, int64_t rows, const T* k,
-                                            int64_t j0, int64_t cols, int64_t mask_base, int r, int g) {
+                                            int64_t j0, int64_t cols, const BatchTerms<A>& at, int r, int g,
+                                            A (*dcap)[8] = nullptr) {
   tile_dot(s, Xs, Ys, q, p.q.row_stride, p.q.col_stride, rows, k, p.k.row_stride, p.k.col_stride, cols,
            p.dk, r, g);
 #pragma unroll
@@ -100,7 +102,8 @@ __device__ __forceinline__ void tile_logits(A (&s)[8], const AttentionParams& p,
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int c = 32 * h + 4 * g + e;
-      s[h * 4 + e] = ctx.logit(p, s[h * 4 + e], i0 + r, j0 + c, r < rows && c < cols, mask_base);
+      s[h * 4 + e] = ctx.logit(p, s[h * 4 + e], i0 + r, j0 + c, r < rows && c < cols, at,
+                               dcap == nullptr ? nullptr : &(*dcap)[h * 4 + e]);
     }
 }
 

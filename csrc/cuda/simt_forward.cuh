@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
     const T* q = static_cast<const T*>(p.q.data) + batch_offset(p, p.q, idx) + i0 * p.q.row_stride;
     const T* k = static_cast<const T*>(p.k.data) + batch_offset(p, p.k, idx);
     const T* v = static_cast<const T*>(p.v.data) + batch_offset(p, p.v, idx) + c0 * p.v.col_stride;
-    const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);
+    const auto at = ctx.terms(p, idx);
 
     A m_run = ninf, l_run = A(0);
     A o[8];
@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
     for (int64_t j0 = visible_key_tile_begin(p, i0, kBN); j0 < key_end; j0 += kBN) {
       const int64_t cols = imin(kBN, p.m - j0);
       A s[8];
-      tile_logits(s, p, ctx, Qs, Ks, q, i0, rows, k + j0 * p.k.row_stride, j0, cols, mask_base, r, g);
+      tile_logits(s, p, ctx, Qs, Ks, q, i0, rows, k + j0 * p.k.row_stride, j0, cols, at, r, g);
       A tile_max = ninf;
 #pragma unroll
       for (int t = 0; t < 8; ++t) tile_max = fmax(tile_max, s[t]);
@@ -107,18 +107,18 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
     }
 
     if (r < rows) {
-      const A inv = inverse_row_sum(l_run);
+      const RowEnd<A> end = row_end(m_run, l_run, sink_log2<A>(p, idx));
       T* out = static_cast<T*>(p.out.data) + batch_offset(p, p.out, idx) + i * p.out.row_stride;
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = 32 * h + 4 * g + e;
-          if (c < ocols) store_acc(static_cast<A>(o[h * 4 + e] * inv), out + (c0 + c) * p.out.col_stride);
+          if (c < ocols) store_acc(static_cast<A>(o[h * 4 + e] * end.out_factor), out + (c0 + c) * p.out.col_stride);
         }
       if (oc == 0 && g == 0) {
         A* lse = static_cast<A*>(p.lse.data) + batch_offset(p, p.lse, idx);
-        lse[i * p.lse.row_stride] = row_lse(m_run, l_run);
+        lse[i * p.lse.row_stride] = end.lse;
       }
     }
   }

@@ -36,8 +36,8 @@ __global__ void __launch_bounds__(kThreads) probs_kernel(const __grid_constant__
     if (j0 >= visible_key_tile_begin(p, i0, kBN) && j0 < visible_key_end(p, i0, rows)) {  // uniform over the CTA
       const T* q = static_cast<const T*>(p.q.data) + batch_offset(p, p.q, idx) + i0 * p.q.row_stride;
       const T* k = static_cast<const T*>(p.k.data) + batch_offset(p, p.k, idx) + j0 * p.k.row_stride;
-      const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);
-      tile_logits(s, p, ctx, Qs, Ks, q, i0, rows, k, j0, cols, mask_base, r, g);
+      const auto at = ctx.terms(p, idx);
+      tile_logits(s, p, ctx, Qs, Ks, q, i0, rows, k, j0, cols, at, r, g);
       const A* shift_hi = static_cast<const A*>(p.shift_hi.data) + batch_offset(p, p.shift_hi, idx);
       const A* shift_lo = static_cast<const A*>(p.shift_lo.data) + batch_offset(p, p.shift_lo, idx);
       const A hi = r < rows ? shift_hi[i * p.shift_hi.row_stride] : ninf;

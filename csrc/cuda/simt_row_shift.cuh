@@ -58,14 +58,14 @@ __global__ void __launch_bounds__(kThreads) row_shift_kernel(const __grid_consta
 
     const T* q = static_cast<const T*>(p.q.data) + batch_offset(p, p.q, idx) + i0 * p.q.row_stride;
     const T* k = static_cast<const T*>(p.k.data) + batch_offset(p, p.k, idx);
-    const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);
+    const auto at = ctx.terms(p, idx);
     const int64_t key_end = visible_key_end(p, i0, rows);
     A row_max = ninf, row_sum = A(0);
     for (int pass = 0; pass < 2; ++pass) {
       for (int64_t j0 = visible_key_tile_begin(p, i0, kBN); j0 < key_end; j0 += kBN) {
         const int64_t cols = imin(kBN, p.m - j0);
         A s[8];
-        tile_logits(s, p, ctx, Qs, Ks, q, i0, rows, k + j0 * p.k.row_stride, j0, cols, mask_base, r, g);
+        tile_logits(s, p, ctx, Qs, Ks, q, i0, rows, k + j0 * p.k.row_stride, j0, cols, at, r, g);
         A part = pass == 0 ? ninf : A(0);
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
@@ -76,8 +76,9 @@ __global__ void __launch_bounds__(kThreads) row_shift_kernel(const __grid_consta
         else row_sum += row_sum8(part);
       }
     }
-    if (large && g == 0 && is_usable_row(row_max, row_sum)) {
-      const RowShift<A> exact = shift_from_row(row_max, row_sum);
+    const RowStats<A> row = with_sink(row_max, row_sum, sink_log2<A>(p, idx));
+    if (large && g == 0 && is_usable_row(row.m, row.l)) {
+      const RowShift<A> exact = shift_from_row(row.m, row.l);
       hi[i * p.shift_hi.row_stride] = exact.hi;
       lo[i * p.shift_lo.row_stride] = exact.lo;
     }

@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kv_kernel(const __grid_constant_
       const float* hi_g = static_cast<const float*>(p.shift_hi.data) + batch_offset(p, p.shift_hi, idx);
       const float* lo_g = static_cast<const float*>(p.shift_lo.data) + batch_offset(p, p.shift_lo, idx);
       const float* delta_g = static_cast<const float*>(p.delta.data) + batch_offset(p, p.delta, idx);
-      const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);
+      const auto at = ctx.terms(p, idx);
 
       // Query tile s of this position into buffer s % 2 (rows past n: zeros, shift -inf).
       auto stage = [&](int64_t s) {
@@ -187,14 +187,15 @@ __global__ void __launch_bounds__(kThreads) bwd_kv_kernel(const __grid_constant_
               const int ql = qc + nt * 8 + 2 * t4 + (e & 1), kl = kl0 + 8 * (e >> 1);
               const int64_t i = i0 + ql, j = j0 + kl;
               const bool valid = ql < rows && kl < cols;
-              const float x = interior ? st[nt][e] * ctx.scale_log2 : ctx.logit(p, st[nt][e], i, j, valid, mask_base);
+              float dcap = 1.0f;  // the softcap's derivative (1 without one)
+              const float x = interior ? st[nt][e] * ctx.scale_log2 : ctx.logit(p, st[nt][e], i, j, valid, at, &dcap);
               const float hi = hib[ql];
               const float pw = (hi == ninf || !valid) ? 0.0f : exp2f((x - hi) - lob[ql]);
               bool keep = true;
               if (ctx.dropout)
                 keep = philox_word(ctx.words(b, i, j & ~int64_t(3)), static_cast<int>(j & 3)) >= p.dropout_threshold;
               const float dp = keep ? (ctx.dropout ? dpt[nt][e] * ctx.inv_keep : dpt[nt][e]) : 0.0f;
-              dpt[nt][e] = valid ? pw * (dp - deltab[ql]) : 0.0f;
+              dpt[nt][e] = valid ? pw * (dp - deltab[ql]) * dcap : 0.0f;
               st[nt][e] = keep ? (ctx.dropout ? pw * ctx.inv_keep : pw) : 0.0f;
             }
           // dV += (P∘Z)ᵀ dO, then dK += dSᵀ Q, over the chunk's queries (two loops: fewer
@@ -268,7 +269,7 @@ __global__ void __launch_bounds__(kThreads) bwd_q_kernel(const __grid_constant__
                       i0 * p.grad_out.row_stride;
       const T* k = static_cast<const T*>(p.k.data) + batch_offset(p, p.k, idx);
       const T* v = static_cast<const T*>(p.v.data) + batch_offset(p, p.v, idx);
-      const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);
+      const auto at = ctx.terms(p, idx);
       float hi[2], lo[2], delta[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -331,12 +332,13 @@ __global__ void __launch_bounds__(kThreads) bwd_q_kernel(const __grid_constant__
                 const int e = 2 * h + c;
                 const int kl = kc + nt * 8 + 2 * t4 + c;
                 const bool valid = i < p.n && kl < cols;
+                float dcap = 1.0f;  // the softcap's derivative (1 without one)
                 const float x = interior ? s[nt][e] * ctx.scale_log2
-                                         : ctx.logit(p, s[nt][e], i, j0 + kl, valid, mask_base);
+                                         : ctx.logit(p, s[nt][e], i, j0 + kl, valid, at, &dcap);
                 const float pw = (hi[h] == ninf || !valid) ? 0.0f : exp2f((x - hi[h]) - lo[h]);
                 const bool keep = !ctx.dropout || philox_word(w, (t4 & 1) * 2 + c) >= p.dropout_threshold;
                 const float dpz = keep ? (ctx.dropout ? dp[nt][e] * ctx.inv_keep : dp[nt][e]) : 0.0f;
-                dp[nt][e] = valid ? pw * (dpz - delta[h]) : 0.0f;
+                dp[nt][e] = valid ? pw * (dpz - delta[h]) * dcap : 0.0f;
               }
             }
           // dQ += dS K over the chunk's keys.

@@ -92,11 +92,13 @@ __device__ __forceinline__ void store_acc_row(const float (&acc)[D / 8][4], int 
 }
 
 // Whether every (row, key) of the BM-row query tile at i0 (rows in range) and the BN-key tile at
-// j0 (cols in range) is in range, unmasked and visible: then a logit is just the scaled score.
+// j0 (cols in range) is in range, unmasked, unmodified and visible: then a logit is just the
+// scaled score.
 template <int BM, int BN>
 __device__ __forceinline__ bool interior_tile(const AttentionParams& p, int64_t i0, int64_t rows, int64_t j0,
                                               int64_t cols) {
-  return p.mask_kind == MaskKind::kNone && rows == BM && cols == BN &&
+  return p.mask_kind == MaskKind::kNone && p.softcap == 0.0 && p.alibi_slopes.data == nullptr && rows == BM &&
+         cols == BN &&
          (!has_band(p) || tile_inside_band(p, i0, BM, j0, BN));
 }
 

@@ -47,7 +47,7 @@ constexpr size_t forward_smem() {
 template <typename T, int D, int BN>
 __device__ __forceinline__ void softmax_step(const AttentionParams& p, const DevCtx<T>& ctx, bool interior,
                                              int64_t b, int64_t ia, int64_t ib, int64_t j0, int64_t cols,
-                                             int64_t mask_base, int t4, float (&s)[BN / 8][4],
+                                             const BatchTerms<float>& at, int t4, float (&s)[BN / 8][4],
                                              float (&m_run)[2], float (&l_run)[2], float (&o)[D / 8][4]) {
   const float ninf = -INFINITY;
   float mx[2] = {ninf, ninf};
@@ -58,7 +58,7 @@ __device__ __forceinline__ void softmax_step(const AttentionParams& p, const Dev
       const int c = nt * 8 + 2 * t4 + (e & 1);
       const int64_t i = e < 2 ? ia : ib;
       const bool valid = i < p.n && c < cols;
-      const float x = interior ? s[nt][e] * ctx.scale_log2 : ctx.logit(p, s[nt][e], i, j0 + c, valid, mask_base);
+      const float x = interior ? s[nt][e] * ctx.scale_log2 : ctx.logit(p, s[nt][e], i, j0 + c, valid, at);
       s[nt][e] = x;
       mx[e >> 1] = fmaxf(mx[e >> 1], x);
     }
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
     const T* q = static_cast<const T*>(p.q.data) + batch_offset(p, p.q, idx) + i0 * p.q.row_stride;
     const T* k = static_cast<const T*>(p.k.data) + batch_offset(p, p.k, idx);
     const T* v = static_cast<const T*>(p.v.data) + batch_offset(p, p.v, idx);
-    const int64_t mask_base = p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx);
+    const auto at = ctx.terms(p, idx);
     // Keys [k_begin, k_stop): all visible ones, or this item's range of them (split-KV).
     const int64_t key_begin = visible_key_tile_begin(p, i0, BN), key_end = visible_key_end(p, i0, rows);
     const int64_t range_begin = p.split_key_begin + split * p.split_keys;
@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int64_t ia = i0 + wr0 + 16 * mt + g;
-        softmax_step<T, D, BN>(p, ctx, interior, b, ia, ia + 8, j0, cols, mask_base, t4, s[mt], m_run[mt], l_run[mt],
+        softmax_step<T, D, BN>(p, ctx, interior, b, ia, ia + 8, j0, cols, at, t4, s[mt], m_run[mt], l_run[mt],
                            o[mt]);
       }
 
@@ -258,10 +258,11 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
           continue;
         }
         T* out = static_cast<T*>(p.out.data) + batch_offset(p, p.out, idx) + i * p.out.row_stride;
-        store_acc_row<D>(o[mt], h, t4, inverse_row_sum(l_run[mt][h]), out, p.out.col_stride);
+        const RowEnd<float> end = row_end(m_run[mt][h], l_run[mt][h], sink_log2<float>(p, idx));
+        store_acc_row<D>(o[mt], h, t4, end.out_factor, out, p.out.col_stride);
         if (t4 == 0) {
           float* lse = static_cast<float*>(p.lse.data) + batch_offset(p, p.lse, idx);
-          lse[i * p.lse.row_stride] = row_lse(m_run[mt][h], l_run[mt][h]);
+          lse[i * p.lse.row_stride] = end.lse;
         }
       }
   }
@@ -291,10 +292,11 @@ __global__ void __launch_bounds__(256) combine_kernel(const __grid_constant__ At
     int64_t idx[kMaxBatchDims];
     unravel_batch(p, b, idx);
     T* out = static_cast<T*>(p.out.data) + batch_offset(p, p.out, idx) + i * p.out.row_stride;
-    store_acc(acc * inverse_row_sum(sum), out + c * p.out.col_stride);
+    const RowEnd<float> end = row_end(mx, sum, sink_log2<float>(p, idx));
+    store_acc(acc * end.out_factor, out + c * p.out.col_stride);
     if (c == 0) {
       float* lse = static_cast<float*>(p.lse.data) + batch_offset(p, p.lse, idx);
-      lse[i * p.lse.row_stride] = row_lse(mx, sum);
+      lse[i * p.lse.row_stride] = end.lse;
     }
   }
 }
