@@ -1,0 +1,135 @@
+"""Hugging Face transformers integration: `attn_implementation="attention_ext"`.
+
+    import attention_ext.hf
+    attention_ext.hf.register()   # once; returns the name
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="attention_ext")
+    # or: model.set_attn_implementation("attention_ext")
+
+register() adds an attention function to transformers' AttentionInterface and a mask function to
+its AttentionMaskInterface under that name. Every attention layer then runs the fused kernels,
+training and generate() alike:
+  * causal / bidirectional layers: with no padding transformers' mask code hands over no mask and
+    the kernel applies the causal rule itself (bottom-right aligned, so prefill, decode and
+    chunked prefill with a cache all line up); a sliding-window layer passes its window the same
+    way;
+  * GQA without repeat_kv (the kernels broadcast K/V heads), Gemma 2's logit softcap, GPT-OSS's
+    sinks (`s_aux`, with their gradient), dropout in training, output_attentions (the exact
+    weights);
+  * packed sequences (position_ids restarting at 0, or cu_seq_lens_q/k from
+    DataCollatorWithFlattening): recognised here even when transformers' mask code did not see
+    the packing (a training forward with the default use_cache=True), so no sequence attends to
+    another.
+What still materialises a boolean mask: padding (a (batch, 1, n, m) mask from transformers'
+sdpa_mask), a static cache's unfilled slots, a sliding window that bites under either, and packed
+sequences (a block-diagonal (batch, 1, n, n) mask: the kernels have no variable-length batches
+yet, so packed rows cost O(n²) rather than Σ n_b²).
+
+transformers is an optional dependency (`pip install attention_ext[hf]`), imported only here.
+"""
+from __future__ import annotations
+
+import torch
+
+from .api import attention, attention_weights
+
+__all__ = ["register", "attention_forward", "mask_function", "calls"]
+
+# Number of attention calls served by attention_forward since import (tests read it to prove the
+# kernels ran).
+calls = 0
+
+
+def register(name: str = "attention_ext") -> str:
+    """Registers the attention and mask functions with transformers under `name` and returns it."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("attention_ext.hf needs transformers: pip install 'attention_ext[hf]'") from e
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"attention_ext.hf.register: name must be a non-empty string, got {name!r}")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, mask_function)
+    return name
+
+
+def mask_function(*args, **kwargs):
+    """transformers' sdpa mask (a (batch, 1, n, m) bool mask, True = attend), except that it may
+    return None whenever the causal rule (or no rule) suffices: no padding, standard positions.
+    attention_forward then passes the structure to the kernels instead of a mask."""
+    from transformers.masking_utils import sdpa_mask
+    kwargs["allow_is_causal_skip"] = True
+    kwargs["allow_is_bidirectional_skip"] = True
+    return sdpa_mask(*args, **kwargs)
+
+
+def _packed_segments(position_ids, cu_seq_lens, batch, n):
+    """(batch, n) segment ids of packed sequences, or None when the rows are not packed."""
+    if cu_seq_lens is not None:
+        if batch != 1:
+            raise NotImplementedError("attention_ext.hf: cu_seq_lens with a batch of more than one row")
+        bounds = cu_seq_lens.to(torch.int64)
+        if int(bounds[-1]) != n:
+            raise ValueError(f"attention_ext.hf: cu_seq_lens ends at {int(bounds[-1])} but the batch has {n} tokens")
+        if bounds.numel() <= 2:
+            return None
+        starts = torch.zeros(n, dtype=torch.int64, device=bounds.device)
+        starts[bounds[1:-1]] = 1
+        return starts.cumsum(0).unsqueeze(0)
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != n or n < 2:
+        return None
+    restarts = torch.diff(position_ids, dim=-1) != 1
+    if not bool(restarts.any()):
+        return None
+    first = torch.zeros_like(position_ids[:, :1], dtype=torch.int64)
+    return torch.cat([first, restarts.to(torch.int64).cumsum(-1)], dim=-1).expand(batch, n)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                      **kwargs):
+    """transformers' attention-function signature: query (batch, heads, n, d), key/value
+    (batch, kv_heads, m, d), attention_mask from mask_function (or None). Returns the output
+    (batch, n, heads, d_v) and the attention weights when output_attentions is set (else None)."""
+    global calls
+    calls += 1
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("attention_ext.hf: position_bias (T5-style relative biases) is not supported yet")
+    batch, heads, n = query.shape[0], query.shape[1], query.shape[2]
+    m = key.shape[2]
+    causal_layer = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    mask = attention_mask
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(query.dtype)
+    structure_only = mask is None  # transformers gave no mask: the layer's own rule is the whole structure
+    # Packed rows: only without cached keys (m == n). Left padding also shows in position_ids
+    # ([0, 0, 1, ...]), but the mask transformers gives then already hides the padding keys, so
+    # the segment mask below changes nothing there.
+    segments = _packed_segments(kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), batch, n) if m == n else None
+    if segments is not None:
+        segments = segments.to(query.device)
+        same = (segments.unsqueeze(-1) == segments.unsqueeze(-2)).unsqueeze(1)  # (batch, 1, n, n)
+        # A mask transformers built without seeing the packing (causal, a window over the flat
+        # positions, which within a sequence are its own) still holds within each sequence.
+        if mask is None:
+            mask = same
+        elif mask.dtype == torch.bool:
+            mask = mask & same
+        else:
+            mask = mask.masked_fill(~same, float("-inf"))
+    causal = None
+    window = None
+    if structure_only:
+        if causal_layer:
+            causal = "bottom_right"
+        sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        if sliding is not None and causal_layer:
+            window = (int(sliding) - 1, None)  # transformers: attend iff 0 <= q_pos - k_pos < sliding_window
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    options = dict(attn_mask=mask, causal=causal, window=window, softcap=softcap or None, scale=scaling,
+                   enable_gqa=heads != key.shape[1])
+    out = attention(query, key, value, sinks=sinks, dropout_p=dropout, **options)
+    weights = None
+    if kwargs.get("output_attentions", False):
+        weights = attention_weights(query, key, sinks=sinks, **options)
+    return out.transpose(1, 2).contiguous(), weights

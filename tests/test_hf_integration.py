@@ -1,0 +1,178 @@
+"""attention_ext.hf.register(): attn_implementation="attention_ext" in Hugging Face transformers.
+
+Tiny randomly initialised models (no download) of every family the kernels' features serve:
+Llama (GQA), Mistral (sliding window shorter than the sequence), Qwen 2, Gemma 2 (softcap and
+alternating sliding / full layers), GPT-OSS (sinks, sliding layers), BERT (bidirectional, padding).
+Each gives the logits and every parameter gradient of attn_implementation="eager", generate()
+gives the same greedy tokens with dynamic and static caches, packed sequences equal the same
+sequences run one by one, and a counter proves our attention function ran while torch's SDPA is
+booby-trapped (nothing may fall back to it).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import attention_ext.hf as hf  # noqa: E402
+
+NAME = hf.register()
+VOCAB = 64
+
+
+def _decoder(family):
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    if family == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=5, **common))
+    if family == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    if family == "gemma2":
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            sliding_window=5, head_dim=8, attn_logit_softcapping=1.5, query_pre_attn_scalar=8, **common))
+    if family == "gpt_oss":
+        return transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            sliding_window=5, head_dim=8, num_local_experts=4, num_experts_per_tok=2, **common))
+    raise ValueError(family)
+
+
+DECODERS = ["llama", "mistral", "qwen2", "gemma2", "gpt_oss"]
+
+
+def build(family):
+    torch.manual_seed(0)
+    model = _decoder(family).float().eval()
+    if family == "gpt_oss":  # random sinks (zeros at init would not test them)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()
+    return model
+
+
+@pytest.fixture
+def no_sdpa(monkeypatch):
+    """torch's SDPA raises while our implementation runs: nothing may fall back to it."""
+    def trap(*args, **kwargs):
+        raise AssertionError("torch.nn.functional.scaled_dot_product_attention was called")
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", trap)
+
+
+def forward_backward(model, impl, **inputs):
+    model.set_attn_implementation(impl)
+    model.zero_grad(set_to_none=True)
+    before = hf.calls
+    out = model(**inputs)
+    loss = out.logits.float().square().mean() if out.loss is None else out.loss
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach().clone(), grads, hf.calls - before
+
+
+def assert_same(a, b, what, tol=2e-5):
+    err = (a - b).abs().max().item()
+    assert err <= tol * max(1.0, b.abs().max().item()), f"{what}: max abs difference {err:.3e}"
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_logits_and_every_parameter_gradient_equal_eager(family, no_sdpa):
+    model = build(family)
+    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(1))
+    want_logits, want_grads, _ = forward_backward(model, "eager", input_ids=ids, labels=ids)
+    logits, grads, calls = forward_backward(model, NAME, input_ids=ids, labels=ids)
+    assert calls == model.config.num_hidden_layers
+    assert_same(logits, want_logits, "logits")
+    assert grads.keys() == want_grads.keys()
+    for name in want_grads:
+        assert_same(grads[name], want_grads[name], f"grad of {name}")
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_left_padded_batches_equal_eager_on_the_real_tokens(family, no_sdpa):
+    model = build(family)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # the second row is 8 tokens, left-padded
+    want, _, _ = forward_backward(model, "eager", input_ids=ids, attention_mask=mask)
+    got, _, calls = forward_backward(model, NAME, input_ids=ids, attention_mask=mask)
+    assert calls == model.config.num_hidden_layers
+    real = mask.bool()
+    assert_same(got[real], want[real], "logits")
+
+
+@pytest.mark.parametrize("family", DECODERS)
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_generation_gives_the_same_tokens(family, cache, no_sdpa):
+    model = build(family)
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    model.set_attn_implementation("eager")
+    want = model.generate(prompt, **kwargs)
+    model.set_attn_implementation(NAME)
+    before = hf.calls
+    got = model.generate(prompt, **kwargs)
+    assert hf.calls - before >= 8 * model.config.num_hidden_layers
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", DECODERS)
+@pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens"])
+def test_packed_sequences_equal_the_sequences_run_one_by_one(family, how, no_sdpa):
+    """Three sequences packed in one row (as DataCollatorWithFlattening makes them), run with the
+    default use_cache=True, where transformers' mask code does not see the packing."""
+    model = build(family)
+    model.set_attn_implementation(NAME)
+    lengths = [5, 9, 3]
+    seqs = [torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(10 + n)) for n in lengths]
+    packed = torch.cat(seqs, dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    inputs = dict(input_ids=packed, position_ids=position_ids)
+    if how == "cu_seq_lens":
+        cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
+    with torch.no_grad():
+        got = model(**inputs).logits
+        want = torch.cat([model(input_ids=s).logits for s in seqs], dim=1)
+    assert_same(got, want, "packed logits")
+
+
+def test_output_attentions_are_the_exact_weights(no_sdpa):
+    model = build("gpt_oss")
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(4))
+    model.set_attn_implementation("eager")
+    want = model(input_ids=ids, output_attentions=True).attentions
+    model.set_attn_implementation(NAME)
+    got = model(input_ids=ids, output_attentions=True).attentions
+    assert len(got) == len(want) == model.config.num_hidden_layers
+    for a, b in zip(got, want):  # (the sink's column dropped in both)
+        assert a.shape == b.shape
+        assert_same(a, b, "attention weights")
+
+
+def test_bert_with_padding_equals_eager(no_sdpa):
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0
+    outputs = {}
+    for impl in ("eager", NAME):
+        model.set_attn_implementation(impl)
+        before = hf.calls
+        outputs[impl] = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        if impl == NAME:
+            assert hf.calls - before == 2
+    real = mask.bool()
+    assert_same(outputs[NAME][real], outputs["eager"][real], "hidden states")
+
+
+def test_register_returns_the_name_and_checks_it():
+    assert hf.register("attention_ext_again") == "attention_ext_again"
+    with pytest.raises(TypeError, match="name must be a non-empty string"):
+        hf.register("")
