@@ -99,6 +99,54 @@ def run(length, heads, d, windows, dtype, reps, warmup):
     return rows
 
 
+def run_modifiers(length, heads, d, dtype, reps, warmup):
+    """Full causal attention with each score modifier / sinks, forward and forward+backward, beside
+    the plain call and torch's SDPA (is_causal=True; for ALiBi, torch gets the bias as a float
+    mask, the only way it takes one; softcap and sinks it cannot do)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(1, heads, length, d, generator=g).to(dtype) for _ in range(4))
+    slopes = torch.rand(heads, generator=g)
+    sinks = torch.randn(heads, generator=g)
+    distance = (torch.arange(length).unsqueeze(-1) - torch.arange(length)).abs().to(dtype)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    alibi_mask = (-slopes[:, None, None].to(dtype) * distance).masked_fill(~causal, float("-inf"))
+    cases = [("none", {}), ("softcap 30", dict(softcap=30.0)), ("ALiBi", dict(alibi_slopes=slopes)),
+             ("sinks", dict(sinks=sinks)), ("all three", dict(softcap=30.0, alibi_slopes=slopes, sinks=sinks))]
+    rows = []
+    for mode in ("fwd", "fwdbwd"):
+        for t in (q, k, v):
+            t.requires_grad_(mode == "fwdbwd")
+        fns = {name: (lambda kw=kw: attention_ext.attention(q, k, v, causal="bottom_right", **kw)) for name, kw in cases}
+        fns["torch"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        fns["torch ALiBi mask"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=alibi_mask)
+        steps = {}
+        for name, fn in fns.items():
+            if mode == "fwd":
+                def step(fn=fn):
+                    with torch.no_grad():
+                        fn()
+            else:
+                def step(fn=fn):
+                    for t in (q, k, v):
+                        t.grad = None
+                    fn().backward(go)
+            steps[name] = step
+        med = time_interleaved(steps, reps, warmup)
+        for name in fns:
+            rows.append({"case": name, "mode": mode, "ms": med[name] * 1e3, "over_plain": med[name] / med["none"]})
+            print(f"{mode:6s} {name:16s} {med[name] * 1e3:8.1f} ms  x{med[name] / med['none']:.2f} of plain", flush=True)
+    return rows
+
+
+def render_modifiers(meta, rows):
+    lines = ["", f"## Score modifiers and sinks, full causal (1, {meta['heads']}, {meta['length']}, {meta['length']}, "
+             f"{meta['d']})", "",
+             "| case | mode | ms | time / plain ours |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['mode']} | {r['ms']:.1f} | {r['over_plain']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def render(meta, rows):
     peak = meta["fma_peak_gflops"]
     lines = [f"# Sliding-window attention, {meta['dtype']}, {meta['cpu']}", "",
@@ -126,6 +174,8 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=list(bench.DTYPES), default="float32")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--modifiers", action="store_true",
+                    help="also time softcap / ALiBi / sinks at full causal against the plain call and torch")
     ap.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     a = ap.parse_args(argv)
     windows = [None if w == "full" else int(w) for w in a.windows.split(",")]
@@ -136,18 +186,19 @@ def main(argv=None):
             "command": "python benchmarks/bench_window.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(f"{meta['cpu']}: FMA peak {peak['gflops']:.0f} GFLOP/s on {meta['threads']} threads", flush=True)
     rows = run(a.length, a.heads, a.d, windows, bench.DTYPES[a.dtype], a.reps, a.warmup)
+    modifier_rows = run_modifiers(a.length, a.heads, a.d, bench.DTYPES[a.dtype], a.reps, a.warmup) if a.modifiers else []
     # Measured again after the timings: a shared machine's capacity drifts, and a peak taken
     # while a neighbour was busy would overstate every % below. The larger of the two is used.
     peak_after = bench.measure_fma_peak()["gflops"]
     meta["fma_peak_gflops_start_end"] = [peak["gflops"], peak_after]
     meta["fma_peak_gflops"] = max(peak["gflops"], peak_after)
-    text = render(meta, rows)
+    text = render(meta, rows) + (render_modifiers(meta, modifier_rows) if modifier_rows else "")
     print(text)
     if a.out:
         with open(a.out + ".md", "w") as f:
             f.write(text)
         with open(a.out + ".json", "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows, "modifier_rows": modifier_rows}, f, indent=1)
 
 
 if __name__ == "__main__":
