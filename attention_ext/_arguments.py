@@ -126,7 +126,8 @@ def op_rules(check: Check, query, key, value, attn_mask, scale, causal, window_l
     band_rules(check, causal, window_left, window_right, query.shape[-2], key.shape[-2])
     softcap_rules(check, softcap)
     if alibi_slopes is not None or sinks is not None:
-        batch = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], *(() if value is None else (value.shape[:-2],)))
+        shapes = (query.shape[:-2], key.shape[:-2]) + (() if value is None else (value.shape[:-2],))
+        batch = torch.broadcast_shapes(*shapes)
         if alibi_slopes is not None:
             per_head_rules(check, alibi_slopes, "alibi_slopes", torch.float32, query, batch)
         if sinks is not None:

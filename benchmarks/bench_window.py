@@ -59,6 +59,25 @@ def time_interleaved(steps, reps, warmup):
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def timed_steps(fns, mode, q, k, v, go):
+    """One step per candidate: the forward under no_grad, or forward + backward of go."""
+    for t in (q, k, v):
+        t.requires_grad_(mode == "fwdbwd")
+    steps = {}
+    for name, fn in fns.items():
+        if mode == "fwd":
+            def step(fn=fn):
+                with torch.no_grad():
+                    fn()
+        else:
+            def step(fn=fn):
+                for t in (q, k, v):
+                    t.grad = None
+                fn().backward(go)
+        steps[name] = step
+    return steps
+
+
 def run(length, heads, d, windows, dtype, reps, warmup):
     g = torch.Generator().manual_seed(0)
     q, k, v, go = (torch.randn(1, heads, length, d, generator=g).to(dtype) for _ in range(4))
@@ -67,27 +86,9 @@ def run(length, heads, d, windows, dtype, reps, warmup):
         mask = band_mask(length, length, window)
         pairs = visible_pairs(length, length, window)
         for mode in ("fwd", "fwdbwd"):
-            def ours():
-                return attention_ext.attention(q, k, v, causal="bottom_right", window=(window, 0))
-
-            def torch_masked():
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-            steps = {}
-            for name, fn in (("ours", ours), ("torch", torch_masked)):
-                if mode == "fwd":
-                    def step(fn=fn):
-                        with torch.no_grad():
-                            fn()
-                else:
-                    def step(fn=fn):
-                        for t in (q, k, v):
-                            t.grad = None
-                        fn().backward(go)
-                steps[name] = step
-            for t in (q, k, v):
-                t.requires_grad_(mode == "fwdbwd")
-            med = time_interleaved(steps, reps, warmup)
+            fns = {"ours": lambda: attention_ext.attention(q, k, v, causal="bottom_right", window=(window, 0)),
+                   "torch": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)}
+            med = time_interleaved(timed_steps(fns, mode, q, k, v, go), reps, warmup)
             flops = 4.0 * heads * pairs * d * (1.0 if mode == "fwd" else 3.5)
             row = {"window": window, "mode": mode, "visible_pairs": pairs,
                    "ms": {c: t * 1e3 for c, t in med.items()},
@@ -114,27 +115,15 @@ def run_modifiers(length, heads, d, dtype, reps, warmup):
              ("sinks", dict(sinks=sinks)), ("all three", dict(softcap=30.0, alibi_slopes=slopes, sinks=sinks))]
     rows = []
     for mode in ("fwd", "fwdbwd"):
-        for t in (q, k, v):
-            t.requires_grad_(mode == "fwdbwd")
-        fns = {name: (lambda kw=kw: attention_ext.attention(q, k, v, causal="bottom_right", **kw)) for name, kw in cases}
+        fns = {name: (lambda kw=kw: attention_ext.attention(q, k, v, causal="bottom_right", **kw))
+               for name, kw in cases}
         fns["torch"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
         fns["torch ALiBi mask"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=alibi_mask)
-        steps = {}
-        for name, fn in fns.items():
-            if mode == "fwd":
-                def step(fn=fn):
-                    with torch.no_grad():
-                        fn()
-            else:
-                def step(fn=fn):
-                    for t in (q, k, v):
-                        t.grad = None
-                    fn().backward(go)
-            steps[name] = step
-        med = time_interleaved(steps, reps, warmup)
+        med = time_interleaved(timed_steps(fns, mode, q, k, v, go), reps, warmup)
         for name in fns:
             rows.append({"case": name, "mode": mode, "ms": med[name] * 1e3, "over_plain": med[name] / med["none"]})
-            print(f"{mode:6s} {name:16s} {med[name] * 1e3:8.1f} ms  x{med[name] / med['none']:.2f} of plain", flush=True)
+            print(f"{mode:6s} {name:16s} {med[name] * 1e3:8.1f} ms  x{med[name] / med['none']:.2f} of plain",
+                  flush=True)
     return rows
 
 
@@ -152,7 +141,8 @@ def render(meta, rows):
     lines = [f"# Sliding-window attention, {meta['dtype']}, {meta['cpu']}", "",
              f"torch {meta['torch']}, {meta['threads']} threads, kernel variant {meta['variant']}; measured FMA peak "
              f"{peak:.0f} GFLOP/s (same run; {meta['fma_peak_gflops_start_end'][0]:.0f} before the timings, "
-             f"{meta['fma_peak_gflops_start_end'][1]:.0f} after). Shape (1, {meta['heads']}, {meta['length']}, {meta['length']}, "
+             f"{meta['fma_peak_gflops_start_end'][1]:.0f} after). Shape (1, {meta['heads']}, {meta['length']}, "
+             f"{meta['length']}, "
              f"{meta['d']}), causal window (w, 0); torch gets the same band as a bool attn_mask. GFLOP/s count the "
              "visible pairs only (backward 2.5x forward).", "",
              f"Command: `{meta['command']}`", "",
@@ -161,7 +151,8 @@ def render(meta, rows):
     for r in rows:
         w = "full (causal)" if r["window"] is None else str(r["window"])
         lines.append(f"| {w} | {r['mode']} | {r['ms']['ours']:.1f} | {r['ms']['torch']:.1f} | "
-                     f"{r['torch_over_ours']:.2f} | {r['gflops']['ours']:.1f} | {100 * r['gflops']['ours'] / peak:.0f}% |")
+                     f"{r['torch_over_ours']:.2f} | {r['gflops']['ours']:.1f} | "
+                     f"{100 * r['gflops']['ours'] / peak:.0f}% |")
     return "\n".join(lines) + "\n"
 
 
@@ -186,7 +177,9 @@ def main(argv=None):
             "command": "python benchmarks/bench_window.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(f"{meta['cpu']}: FMA peak {peak['gflops']:.0f} GFLOP/s on {meta['threads']} threads", flush=True)
     rows = run(a.length, a.heads, a.d, windows, bench.DTYPES[a.dtype], a.reps, a.warmup)
-    modifier_rows = run_modifiers(a.length, a.heads, a.d, bench.DTYPES[a.dtype], a.reps, a.warmup) if a.modifiers else []
+    modifier_rows = []
+    if a.modifiers:
+        modifier_rows = run_modifiers(a.length, a.heads, a.d, bench.DTYPES[a.dtype], a.reps, a.warmup)
     # Measured again after the timings: a shared machine's capacity drifts, and a peak taken
     # while a neighbour was busy would overstate every % below. The larger of the two is used.
     peak_after = bench.measure_fma_peak()["gflops"]

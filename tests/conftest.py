@@ -178,6 +178,18 @@ def assert_close_to_reference(actual, expected, dtype, budget=None, k=2.0, what=
     assert err <= tol, f"{what}: max abs error {err:.3e} > tolerance {tol:.3e} ({dtype})"
 
 
+def assert_grads_close_to_reference(got, want, low, dtype, names=("dq", "dk", "dv")):
+    """Gradients vs the float64 reference `want`: within 4x the dtype's absolute tolerance (scaled
+    by the gradient's size) or, for fp16/bf16, 4x the error plain torch makes in that dtype (`low`,
+    the reference's gradients computed in it)."""
+    for name, g, w, lo in zip(names, got, want, low):
+        scale = max(1.0, w.abs().max().item())
+        budget = (lo.double() - w).abs().max().item()
+        err = (g.double() - w).abs().max().item()
+        tol = max(ATOL[dtype] * 4 * scale, 4 * budget if dtype in (torch.float16, torch.bfloat16) else 0.0)
+        assert err <= tol, f"{name}: max abs error {err:.3e} > {tol:.3e}"
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

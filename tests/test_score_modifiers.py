@@ -17,7 +17,8 @@ import torch
 import attention_ext
 from attention_ext.reference import attention_reference
 
-from conftest import ATOL, CUDA_KERNELS_DEVICE, FLOAT_DTYPES, assert_close_to_reference, rand
+from conftest import (ATOL, CUDA_KERNELS_DEVICE, FLOAT_DTYPES, assert_close_to_reference,
+                      assert_grads_close_to_reference, rand)
 from test_window import inputs
 
 ops = torch.ops.attention_ext
@@ -66,36 +67,35 @@ def test_gradients_match_the_reference(dtype, softcap, alibi, window, causal, n,
     want = _grads(lambda q, k, v: attention_reference(q, k, v, **ref_kw)[0], ins64, grad.double())
     lp = [t.detach().requires_grad_() for t in (q, k, v)]
     low = _grads(lambda q, k, v: attention_reference(q, k, v, dtype=None, **ref_kw)[0], lp, grad)
-    for name, g, w, lo in zip(("dq", "dk", "dv"), got, want, low):
-        scale = max(1.0, w.abs().max().item())
-        budget = (lo.double() - w).abs().max().item()
-        err = (g.double() - w).abs().max().item()
-        tol = max(ATOL[dtype] * 4 * scale, 4 * budget if dtype in LOW else 0.0)
-        assert err <= tol, f"{name}: max abs error {err:.3e} > {tol:.3e}"
+    assert_grads_close_to_reference(got, want, low, dtype)
 
 
 def test_gradcheck_in_float64_with_every_modifier_combined():
-    """softcap, ALiBi, window, bottom-right causal, a float mask with its gradient, GQA and dropout
-    (the same draw on each call) through the fused kernels; double backward; forward-mode AD."""
+    """softcap, ALiBi, sinks, window, bottom-right causal, a float mask with its gradient, GQA and
+    dropout (the same draw on each call) through the fused kernels; double backward; forward-mode
+    AD of the output and of the weights."""
     q, k, v = inputs(7, 9, 4, torch.float64, batch=(1, 4), requires_grad=True, kv_heads=2)
     mask = rand(1, 4, 7, 9, dtype=torch.float64, requires_grad=True)
+    sinks = rand(4, dtype=torch.float64, requires_grad=True)
     slopes = torch.tensor([0.3, 0.1, 0.7, 0.2])
 
-    def everything(q, k, v, mask):
+    def everything(q, k, v, mask, sinks):
         torch.manual_seed(11)
         return attention_ext.attention(q, k, v, attn_mask=mask, causal="bottom_right", window=(4, None), softcap=0.7,
-                                       alibi_slopes=slopes, dropout_p=0.3, enable_gqa=True, return_lse=True)
+                                       alibi_slopes=slopes, sinks=sinks, dropout_p=0.3, enable_gqa=True,
+                                       return_lse=True)
 
-    assert torch.autograd.gradcheck(everything, (q, k, v, mask))
+    assert torch.autograd.gradcheck(everything, (q, k, v, mask, sinks))
 
-    def capped(q, k, v, mask):
-        return attention_ext.attention(q, k, v, attn_mask=mask, softcap=0.9, alibi_slopes=slopes, enable_gqa=True)
+    def capped(q, k, v, mask, sinks):
+        return attention_ext.attention(q, k, v, attn_mask=mask, softcap=0.9, alibi_slopes=slopes, sinks=sinks,
+                                       enable_gqa=True, return_lse=True)
 
-    assert torch.autograd.gradgradcheck(capped, (q, k, v, mask))
-    assert torch.autograd.gradcheck(capped, (q, k, v, mask), check_forward_ad=True, check_backward_ad=False)
-    weights = lambda q, k, mask: attention_ext.attention_weights(  # noqa: E731
-        q, k, attn_mask=mask, softcap=0.6, alibi_slopes=slopes, window=(3, 1), enable_gqa=True)
-    assert torch.autograd.gradcheck(weights, (q, k, mask), check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(capped, (q, k, v, mask, sinks))
+    assert torch.autograd.gradcheck(capped, (q, k, v, mask, sinks), check_forward_ad=True, check_backward_ad=False)
+    weights = lambda q, k, mask, sinks: attention_ext.attention_weights(  # noqa: E731
+        q, k, attn_mask=mask, softcap=0.6, alibi_slopes=slopes, sinks=sinks, window=(3, 1), enable_gqa=True)
+    assert torch.autograd.gradcheck(weights, (q, k, mask, sinks), check_forward_ad=True)
 
 
 def test_a_float_mask_gets_the_gradient_of_the_capped_logit():
@@ -131,12 +131,16 @@ def test_gqa_splits_per_query_head_slopes_like_the_heads():
 @pytest.mark.cpu_kernels
 @pytest.mark.parametrize("forward", ["tiled", "decode"])
 @pytest.mark.parametrize("backward", ["fused", "split"])
-def test_every_cpu_path_and_variant_applies_the_modifiers(cpu_variant, forward, backward, monkeypatch):
+@pytest.mark.parametrize("options", ["window", "everything"])
+def test_every_cpu_path_and_variant_applies_windows_modifiers_and_sinks(cpu_variant, forward, backward, options,
+                                                                       monkeypatch):
     monkeypatch.setenv("ATTENTION_EXT_CPU_FORWARD", forward)
     monkeypatch.setenv("ATTENTION_EXT_CPU_BACKWARD", backward)
+    kw = dict(window=(100, 3))
+    if options == "everything":
+        kw = dict(softcap=4.0, alibi_slopes=slopes_for("heads"), window=(300, 2), sinks=torch.tensor([0.5, 3.0, -1.0]))
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = inputs(6, 700, 64, dtype, requires_grad=True)
-        kw = dict(softcap=4.0, alibi_slopes=slopes_for("heads"), window=(300, 2))
         out = attention_ext.attention(q, k, v, **kw)
         ref = attention_reference(q, k, v, **kw)[0]
         low = attention_reference(q, k, v, dtype=None, **kw)[0]
@@ -163,18 +167,25 @@ def test_bad_softcaps_are_refused(softcap, error, match):
         attention_ext.attention_weights(q, k, softcap=softcap)
 
 
-@pytest.mark.parametrize("slopes,error,match", [
-    (torch.ones(3, dtype=torch.float64), TypeError, r"alibi_slopes must be torch.float32 for torch.float32 inputs, "
-                                                    r"got torch.float64"),
-    (torch.ones(5), ValueError, r"alibi_slopes of shape \(5,\) does not broadcast to the batch dims \(2, 3\)"),
-    (torch.ones(4, 2, 3), ValueError, r"alibi_slopes of shape \(4, 2, 3\) does not broadcast"),
-    ([0.5, 0.25, 0.1], TypeError, r"alibi_slopes must be a torch.Tensor or None, got list"),
-    (torch.ones(3, requires_grad=True), NotImplementedError, r"gradients into alibi_slopes are not supported"),
+@pytest.mark.parametrize("name,values,error,match", [
+    ("alibi_slopes", torch.ones(3, dtype=torch.float64), TypeError,
+     r"alibi_slopes must be torch.float32 for torch.float32 inputs, got torch.float64"),
+    ("alibi_slopes", torch.ones(5), ValueError,
+     r"alibi_slopes of shape \(5,\) does not broadcast to the batch dims \(2, 3\)"),
+    ("alibi_slopes", torch.ones(4, 2, 3), ValueError, r"alibi_slopes of shape \(4, 2, 3\) does not broadcast"),
+    ("alibi_slopes", [0.5, 0.25, 0.1], TypeError, r"alibi_slopes must be a torch.Tensor or None, got list"),
+    ("alibi_slopes", torch.ones(3, requires_grad=True), NotImplementedError,
+     r"gradients into alibi_slopes are not supported"),
+    ("sinks", torch.ones(3, dtype=torch.int64), TypeError, r"sinks must be a floating tensor, got torch.int64"),
+    ("sinks", torch.ones(5), ValueError, r"sinks of shape \(5,\) does not broadcast to the batch dims \(2, 3\)"),
+    ("sinks", "0.5", TypeError, r"sinks must be a torch.Tensor or None, got str"),
 ])
-def test_bad_slopes_are_refused(slopes, error, match):
+def test_bad_slopes_and_sinks_are_refused(name, values, error, match):
     q, k, v = inputs(4, 4, 8, torch.float32)
     with pytest.raises(error, match=match):
-        attention_ext.attention(q, k, v, alibi_slopes=slopes)
+        attention_ext.attention(q, k, v, **{name: values})
+    with pytest.raises(error, match=match):
+        attention_ext.attention_weights(q, k, **{name: values})
 
 
 def test_raw_ops_and_their_fake_kernels_check_the_modifiers():
@@ -186,7 +197,8 @@ def test_raw_ops_and_their_fake_kernels_check_the_modifiers():
         with pytest.raises(RuntimeError, match=r"alibi_slopes of shape \(7,\) does not broadcast"):
             ops.attention_probs(qd, kd, None, 0.5, 0, -1, -1, 0.0, torch.ones(7, device=device), None)
         with pytest.raises(RuntimeError, match=r"alibi_slopes must be (Float|torch.float32)"):
-            ops.attention_fwd(qd, kd, vd, None, 0.5, 0, -1, -1, 0.0, torch.ones(3, dtype=torch.half, device=device), None,
+            half = torch.ones(3, dtype=torch.half, device=device)
+            ops.attention_fwd(qd, kd, vd, None, 0.5, 0, -1, -1, 0.0, half, None,
                               0.0, None)
 
 
@@ -231,26 +243,6 @@ def test_sinks_forward_and_gradients_match_the_reference(dtype, sinks_shape, n, 
     assert got[3].dtype == sinks.dtype and got[3].shape == sinks.shape
 
 
-def test_sinks_gradcheck_double_backward_and_forward_mode():
-    q, k, v = inputs(6, 9, 4, torch.float64, batch=(2, 4), requires_grad=True, kv_heads=2)
-    sinks = rand(4, dtype=torch.float64, requires_grad=True)
-    slopes = torch.tensor([0.3, 0.1, 0.7, 0.2])
-
-    def everything(q, k, v, sinks):
-        torch.manual_seed(3)
-        return attention_ext.attention(q, k, v, sinks=sinks, causal="bottom_right", window=(4, None), softcap=0.9,
-                                       alibi_slopes=slopes, dropout_p=0.25, enable_gqa=True, return_lse=True)
-
-    assert torch.autograd.gradcheck(everything, (q, k, v, sinks))
-    plain = lambda q, k, v, sinks: attention_ext.attention(  # noqa: E731
-        q, k, v, sinks=sinks, softcap=1.3, enable_gqa=True, return_lse=True)
-    assert torch.autograd.gradgradcheck(plain, (q, k, v, sinks))
-    assert torch.autograd.gradcheck(plain, (q, k, v, sinks), check_forward_ad=True, check_backward_ad=False)
-    weights = lambda q, k, sinks: attention_ext.attention_weights(  # noqa: E731
-        q, k, sinks=sinks, window=(2, 2), enable_gqa=True)
-    assert torch.autograd.gradcheck(weights, (q, k, sinks), check_forward_ad=True)
-
-
 @pytest.mark.parametrize("sink", [40.0, -40.0, 300.0])
 def test_a_sink_far_from_the_scores_is_exact(sink):
     """A sink that dominates the row (the keys' weights ~e^-40) or vanishes: lse and weights stay
@@ -276,23 +268,13 @@ def test_low_precision_sinks_are_converted_and_get_their_gradient_back():
     assert sinks.grad is not None and sinks.grad.dtype == torch.bfloat16 and torch.isfinite(sinks.grad).all()
 
 
-@pytest.mark.parametrize("sinks,error,match", [
-    (torch.ones(3, dtype=torch.int64), TypeError, r"sinks must be a floating tensor, got torch.int64"),
-    (torch.ones(5), ValueError, r"sinks of shape \(5,\) does not broadcast to the batch dims \(2, 3\)"),
-    ("0.5", TypeError, r"sinks must be a torch.Tensor or None, got str"),
-])
-def test_bad_sinks_are_refused(sinks, error, match):
-    q, k, v = inputs(4, 4, 8, torch.float32)
-    with pytest.raises(error, match=match):
-        attention_ext.attention(q, k, v, sinks=sinks)
-
-
 def test_raw_ops_want_sinks_in_the_lse_dtype():
     q, k, v = inputs(4, 4, 8, torch.float32)
     for device in ("cpu", "meta"):
         qd, kd, vd = (t.to(device) for t in (q, k, v))
         with pytest.raises(RuntimeError, match=r"sinks must be (Float|torch.float32) for (Float|torch.float32) inputs"):
-            ops.attention_fwd(qd, kd, vd, None, 0.5, 0, -1, -1, 0.0, None, torch.ones(3, dtype=torch.half, device=device),
+            half = torch.ones(3, dtype=torch.half, device=device)
+            ops.attention_fwd(qd, kd, vd, None, 0.5, 0, -1, -1, 0.0, None, half,
                               0.0, None)
 
 
