@@ -301,23 +301,29 @@ def _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa):
     return query, key, value, attn_mask, scale, dropout_p, heads
 
 
+def _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads):
+    """The ops' logit arguments (causal code, window_left, window_right, softcap, alibi_slopes,
+    sinks), checked against the prepared (GQA-split) query, key and value; the checks attention
+    and attention_weights share after _prepare."""
+    band_rules(enforce, CAUSAL_CODES[causal], *window, query.shape[-2], key.shape[-2])
+    batch = _broadcast_batch(query, key, value)
+    return (CAUSAL_CODES[causal], *window, softcap, _check_per_head(alibi_slopes, "alibi_slopes", query, batch, heads),
+            _check_per_head(sinks, "sinks", query, batch, heads))
+
+
 def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, window=(-1, -1), softcap=0.0,
          alibi_slopes=None, sinks=None):
     query, key, value, attn_mask, scale, dropout_p, heads = _prepare(
         query, key, value, attn_mask, scale, dropout_p, enable_gqa)
-    band_rules(enforce, CAUSAL_CODES[causal], *window, query.shape[-2], key.shape[-2])
-    batch = _broadcast_batch(query, key, value)
-    alibi_slopes = _check_per_head(alibi_slopes, "alibi_slopes", query, batch, heads)
-    sinks = _check_per_head(sinks, "sinks", query, batch, heads)
+    logit = _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads)
     # The kernels own dK/dV per key position, so K and V must broadcast alike: expand (a view).
     if key.shape[:-2] != value.shape[:-2]:
         kv_batch = _broadcast_shapes(key.shape[:-2], value.shape[:-2])
         key = key.expand(*kv_batch, *key.shape[-2:])
         value = value.expand(*kv_batch, *value.shape[-2:])
     rng_state = draw_rng_state(query.device) if dropout_p > 0 else None
-    args = (query, key, value, attn_mask, scale, CAUSAL_CODES[causal], *window, softcap, alibi_slopes, sinks,
-            dropout_p, rng_state)
-    out, lse = _call(ops.attention_fwd, AttentionFunction, args, query, key, value, attn_mask, sinks)
+    args = (query, key, value, attn_mask, scale, *logit, dropout_p, rng_state)
+    out, lse = _call(ops.attention_fwd, AttentionFunction, args, query, key, value, attn_mask, logit[-1])
     if heads is not None:
         out = out.flatten(-4, -3)
         lse = lse.flatten(-3, -2)
@@ -383,12 +389,9 @@ def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = Non
     # The shared checks, with a value of no columns.
     value = key.new_empty((*key.shape[:-1], 0))
     query, key, value, attn_mask, scale, _, heads = _prepare(query, key, value, attn_mask, scale, 0.0, enable_gqa)
-    band_rules(enforce, CAUSAL_CODES[causal], *window, query.shape[-2], key.shape[-2])
-    batch = _broadcast_batch(query, key, value)
-    alibi_slopes = _check_per_head(alibi_slopes, "alibi_slopes", query, batch, heads)
-    sinks = _check_per_head(sinks, "sinks", query, batch, heads)
-    args = (query, key, attn_mask, scale, CAUSAL_CODES[causal], *window, softcap, alibi_slopes, sinks)
-    w = _call(ops.attention_probs, AttentionWeightsFunction, args, query, key, attn_mask, sinks)
+    logit = _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads)
+    args = (query, key, attn_mask, scale, *logit)
+    w = _call(ops.attention_probs, AttentionWeightsFunction, args, query, key, attn_mask, logit[-1])
     if heads is not None:
         w = w.flatten(-4, -3)
     return w

@@ -133,6 +133,13 @@ ATTN_HD inline RowStats<A> with_sink(A m, A l, A s) {
   const A top = m > s ? m : s;
   return {top, l * rescale_factor(m, top) + exp2_acc(s - top)};
 }
+// The ALiBi slope of the batch position idx in log2 units (slope·log2 e), 0 without ALiBi.
+template <typename A>
+ATTN_HD inline A alibi_slope_log2(const AttentionParams& p, const int64_t* idx) {
+  if (p.alibi_slopes.data == nullptr) return A(0);
+  const float slope = static_cast<const float*>(p.alibi_slopes.data)[batch_offset(p, p.alibi_slopes, idx)];
+  return static_cast<A>(static_cast<double>(slope) * kLog2e);
+}
 // The sink of the batch position idx in log2 units, −inf without sinks.
 template <typename A>
 ATTN_HD inline A sink_log2(const AttentionParams& p, const int64_t* idx) {
@@ -161,8 +168,7 @@ struct RowEnd {
 template <typename A>
 ATTN_HD inline RowEnd<A> row_end(A m, A l, A s) {
   const RowStats<A> r = with_sink(m, l, s);
-  const A rescale = r.m == m ? A(1) : rescale_factor(m, r.m);
-  return {rescale * inverse_row_sum(r.l), row_lse(r.m, r.l)};
+  return {rescale_factor(m, r.m) * inverse_row_sum(r.l), row_lse(r.m, r.l)};
 }
 
 // --- The softmax shift of the backward and the probabilities ------------------------------------

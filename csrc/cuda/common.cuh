@@ -94,12 +94,7 @@ struct DevCtx {
   }
 
   __device__ __forceinline__ BatchTerms<A> terms(const AttentionParams& p, const int64_t* idx) const {
-    BatchTerms<A> t{p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx), A(0)};
-    if (p.alibi_slopes.data != nullptr)
-      t.alibi = static_cast<A>(
-          static_cast<double>(static_cast<const float*>(p.alibi_slopes.data)[batch_offset(p, p.alibi_slopes, idx)]) *
-          kLog2e);
-    return t;
+    return {p.mask_kind == MaskKind::kNone ? 0 : batch_offset(p, p.mask, idx), alibi_slope_log2<A>(p, idx)};
   }
 
   // Scaled, modified (softcap, ALiBi), masked logit in log2 units of raw score s at (row i, key j)
