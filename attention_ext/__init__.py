@@ -5,6 +5,7 @@
     out, lse = attention_ext.attention(q, k, v, causal="bottom_right", return_lse=True)
     w = attention_ext.attention_weights(q, k)
     out = attention_ext.flash_attn_func(q, k, v, causal=True)   # FlashAttention 2's API, (B, S, H, D)
+    out = attention_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)   # packed sequences
 
 The same fused kernels serve float64/float32/float16/bfloat16 on CPU (and CUDA where built),
 forward and backward, so gradcheck exercises the fast code itself.
@@ -24,7 +25,15 @@ from .api import (
     scaled_dot_product_attention,
 )
 from ._version import __version__
-from .flash import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from .flash import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+from .varlen import varlen_attention
 from .reference import attention_reference
 
 __all__ = [
@@ -37,6 +46,10 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "varlen_attention",
     "build_info",
     "cpu_variant",
     "set_cpu_variant",

@@ -24,8 +24,15 @@ softcap > 0 caps the scaled scores at softcap·tanh(t / softcap) (Gemma 2) and a
 (float32, (heads,) or (batch, heads)) adds -slope·|i + seqlen_k - seqlen_q - j|, both fused in every
 kernel; unlike FlashAttention, dropout with softcap is allowed.
 
-Not supported yet (a clear NotImplementedError, never a silent fallback): the variable-length
-functions (flash_attn_varlen_*).
+flash_attn_varlen_func (and its kvpacked / qkvpacked forms) takes packed sequences: q (total_q,
+heads, head_dim), k and v (total_k, kv_heads, head_dim), int32 cu_seqlens_q / cu_seqlens_k
+(batch + 1,) from 0; sequence b is rows cu[b]:cu[b + 1] and sees only itself, causal and window
+aligned bottom-right per sequence; softmax_lse is (heads, total_q). The kernels do no work on
+padding (attention_ext.varlen). With return_attn_probs=True the third result is the exact
+probabilities zero-padded to (batch, heads, max_seqlen_q, max_seqlen_k).
+
+Not supported yet (a clear NotImplementedError, never a silent fallback): a paged key/value cache
+through flash_attn_varlen_func's block_table.
 """
 from __future__ import annotations
 
@@ -34,8 +41,10 @@ import numbers
 import torch
 
 from .api import attention, attention_weights
+from .varlen import varlen_attention
 
-__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"]
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func"]
 
 
 def _check_layout(q, k, v):
@@ -120,3 +129,66 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                          + (f"shape {tuple(qkv.shape)}" if isinstance(qkv, torch.Tensor) else type(qkv).__name__))
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
                            softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def _padded_probabilities(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **modifiers):
+    """The exact probabilities of each packed sequence, zero-padded to (batch, heads, max_seqlen_q,
+    max_seqlen_k): a debugging output, one attention_weights call per sequence."""
+    heads = q.shape[1]
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    slopes = modifiers.pop("alibi_slopes")
+    probs = q.new_zeros((len(cu_q) - 1, heads, max_seqlen_q, max_seqlen_k))
+    for b in range(len(cu_q) - 1):
+        qb = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)
+        kb = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1)
+        slopes_b = slopes[b] if slopes is not None and slopes.dim() == 2 else slopes
+        probs[b, :, :qb.shape[1], :kb.shape[1]] = attention_weights(qb, kb, alibi_slopes=slopes_b, **modifiers)
+    return probs
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """FlashAttention 2's flash_attn_varlen_func (see the module docstring). Returns out
+    (total_q, heads, head_dim_v), or with return_attn_probs=True (out, softmax_lse (heads, total_q),
+    probabilities)."""
+    if block_table is not None:
+        raise NotImplementedError("attention_ext.flash: a paged key/value cache (block_table) is not supported by "
+                                  "flash_attn_varlen_func yet; pass contiguous packed k and v")
+    causal_kind, window = _band_from(causal, window_size)
+    softcap = _check_softcap(softcap)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"attention_ext.flash: deterministic must be a bool, got {type(deterministic).__name__}")
+    out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                scale=softmax_scale, causal=causal_kind is not None, window=window, softcap=softcap,
+                                alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=True)
+    if not return_attn_probs:
+        return out
+    probs = _padded_probabilities(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                                  causal=causal_kind, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                  enable_gqa=q.shape[1] != k.shape[1])
+    return out, lse, probs
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_varlen_func with k and v packed: kv (total_k, 2, kv_heads, head_dim)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError("attention_ext.flash: kv must be a (total_k, 2, kv_heads, head_dim) tensor, got "
+                         + (f"shape {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv).__name__))
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash_attn_varlen_func with q, k and v packed: qkv (total, 3, heads, head_dim)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError("attention_ext.flash: qkv must be a (total, 3, heads, head_dim) tensor, got "
+                         + (f"shape {tuple(qkv.shape)}" if isinstance(qkv, torch.Tensor) else type(qkv).__name__))
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

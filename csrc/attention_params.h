@@ -96,6 +96,9 @@ struct AttentionParams {
   uint32_t dropout_threshold = 0;
   uint64_t seed = 0;
   uint64_t offset = 0;
+  // Added to the query row that keys a draw: a packed (variable-length) batch runs each sequence
+  // as a call of its own whose rows start at its first packed row, so sequences never share draws.
+  int64_t dropout_row_base = 0;
   // For device kernels: (seed, offset) read from device memory when non-null, so drawing them
   // never synchronises the host with the GPU (and CUDA graphs replay fresh draws).
   const int64_t* rng_state_device = nullptr;

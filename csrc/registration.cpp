@@ -34,6 +34,21 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def(
       "dropout_keep_mask(Tensor rng_state, int[] batch_shape, int n, int m, float dropout_p) -> "
       "Tensor");
+  // Packed (variable-length) batches, FlashAttention's varlen layout with the row dim second to last:
+  // query (batch..., total_q, d), key/value (batch..., total_k, d); sequence s holds the rows
+  // cu_seqlens_q[s]:cu_seqlens_q[s+1] and cu_seqlens_k[s]:cu_seqlens_k[s+1] (int32) and sees only
+  // itself (csrc/packed_sequences.h). causal 0 or 2; alibi_slopes may have one row per sequence.
+  m.def(
+      "attention_varlen_fwd(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, float scale, int causal, int window_left, int window_right, "
+      "float softcap, Tensor? alibi_slopes, Tensor? sinks, float dropout_p, Tensor? rng_state) -> "
+      "(Tensor out, Tensor lse)");
+  m.def(
+      "attention_varlen_bwd(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, Tensor out, Tensor lse, "
+      "float scale, int causal, int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
+      "Tensor? sinks, float dropout_p, Tensor? rng_state) -> (Tensor grad_query, Tensor grad_key, "
+      "Tensor grad_value)");
   // Introspection and CPU kernel-variant control; no tensors, so one implementation for all.
   m.def("build_info() -> str", &attention_ext::build_info);
   m.def("cpu_variant() -> str", &attention_ext::cpu_variant);

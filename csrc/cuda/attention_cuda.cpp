@@ -17,6 +17,7 @@
 #endif
 
 #include "../op_arguments.h"
+#include "../packed_sequences.h"
 #include "../philox.h"
 #include "kernels.h"
 
@@ -137,6 +138,67 @@ at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
   return probs;
 }
 
+// Packed (variable-length) batches: the dense launchers once per sequence (packed_sequences.h), in
+// sequence order on the current stream. Cost follows Σ n_s·m_s, plus one launch (or split-KV pair)
+// per sequence: a batch of many short sequences pays the launch overhead of each.
+std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, int64_t causal,
+    int64_t window_left, int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, double dropout_p, const std::optional<at::Tensor>& rng_state) {
+  check_cuda(q, q, "query");
+  const DeviceGuard guard(q.device());
+  const PackedCall call =
+      check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                          {causal, window_left, window_right, softcap, alibi_slopes, sinks}, dropout_p, rng_state);
+  auto [out, lse] = allocate_packed_forward_outputs(call, q);
+  if (lse.numel() == 0) return {out, lse};
+  AttentionParams packed = make_params(call.shape, q, k, v, std::nullopt, scale, call.logit, dropout_p, rng_state);
+  packed.out = make_ref(out, call.shape.batch);
+  packed.lse = make_row_ref(lse, call.shape.batch);
+  for (AttentionParams& p : sequence_params(packed, call)) {
+    plan_forward_cuda(p);
+    at::Tensor split_out, split_stats;
+    if (p.kv_splits > 1) {
+      split_out = at::empty({p.batch_numel * p.kv_splits * p.n * p.dv}, q.options().dtype(at::kFloat));
+      split_stats = at::empty({p.batch_numel * p.kv_splits * p.n * 2}, q.options().dtype(at::kFloat));
+      p.split_out = split_out.data_ptr();
+      p.split_stats = split_stats.data_ptr();
+    }
+    check_launch(attention_fwd_cuda(p, current_stream()));
+  }
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, const at::Tensor& out, const at::Tensor& lse, double scale,
+    int64_t causal, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
+  check_cuda(q, q, "query");
+  const DeviceGuard guard(q.device());
+  const PackedCall call =
+      check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                          {causal, window_left, window_right, softcap, alibi_slopes, sinks}, dropout_p, rng_state);
+  const bool low_precision = q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16;
+  const at::Tensor dout = low_precision && grad_out.dim() > 0 && grad_out.numel() > 0 && grad_out.stride(-1) != 1
+                              ? grad_out.contiguous()
+                              : grad_out;
+  BackwardCall backward = prepare_backward(dout, grad_lse, q, k, v, std::nullopt, out, lse, scale, call.logit,
+                                           dropout_p, rng_state, false);
+  at::Tensor &gq = backward.grad_q, &gk = backward.grad_k, &gv = backward.grad_v;
+  if (backward.no_rows) return {gq, gk, gv};
+  BackwardPlan plan;
+  plan.kv = gk.numel() > 0 || gv.numel() > 0;
+  plan.q = gq.numel() > 0;
+  for (const AttentionParams& p : sequence_params(backward.params, call))
+    check_launch(attention_bwd_cuda(p, plan, current_stream()));
+  zero_rows_outside_sequences(call, gq, gk, gv);
+  return {gq, gk, gv};
+}
+
 at::Tensor dropout_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_shape, int64_t n,
                              int64_t m, double dropout_p) {
   const DeviceGuard guard(rng_state.device());
@@ -160,6 +222,8 @@ TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
   m.impl("attention_bwd", &attention_bwd);
   m.impl("attention_probs", &attention_probs);
   m.impl("dropout_keep_mask", &dropout_keep_mask);
+  m.impl("attention_varlen_fwd", &attention_varlen_fwd);
+  m.impl("attention_varlen_bwd", &attention_varlen_bwd);
 }
 
 }  // namespace cuda

@@ -77,6 +77,7 @@ struct DevCtx {
   A inv_keep;      // 1 / (1 - p)
   A mask_lowest;  // lowest_finite(dtype): additive-mask entries at or below it mask the key
   uint64_t seed, offset;
+  int64_t dropout_row_base;
   bool dropout;
 
   __device__ explicit DevCtx(const AttentionParams& p)
@@ -86,6 +87,7 @@ struct DevCtx {
         mask_lowest(static_cast<A>(lowest_finite(p.dtype))),
         seed(p.seed),
         offset(p.offset),
+        dropout_row_base(p.dropout_row_base),
         dropout(p.dropout_p > 0.0) {
     if (dropout && p.rng_state_device != nullptr) {
       seed = static_cast<uint64_t>(p.rng_state_device[0]);
@@ -123,7 +125,7 @@ struct DevCtx {
 
   // Keep flags for keys [j4, j4 + 4) (j4 a multiple of 4) of row i, batch position b.
   __device__ __forceinline__ PhiloxWords words(int64_t b, int64_t i, int64_t j4) const {
-    return dropout_words(seed, offset, static_cast<uint64_t>(b), static_cast<uint64_t>(i),
+    return dropout_words(seed, offset, static_cast<uint64_t>(b), static_cast<uint64_t>(dropout_row_base + i),
                          static_cast<uint64_t>(j4));
   }
 };

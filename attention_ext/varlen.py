@@ -1,0 +1,229 @@
+"""Packed variable-length batches: many sequences of different lengths in one call, without padding.
+
+`varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)` takes FlashAttention's varlen layout:
+q (total_q, heads, head_dim), k and v (total_k, kv_heads, head_dim), heads a multiple of kv_heads
+(GQA/MQA without copies), and int32 cumulative lengths cu_seqlens (sequences + 1,) starting at 0:
+sequence s is the rows cu_seqlens[s]:cu_seqlens[s + 1] and sees only its own keys. Causal masks and
+windows are aligned bottom-right per sequence (query i at key i + m_s − n_s). Returns out
+(total_q, heads, head_dim_v) and, with return_lse, lse (heads, total_q).
+
+The kernels run each sequence as a dense call of its own (csrc/packed_sequences.h), all of them in
+one pass of each kernel on the CPU: the cost is Σ n_s·m_s, nothing is spent on padding, and every
+kernel path (decode, fused backward, the ISA variants, the tensor-core kernels) applies. On CUDA
+the sequences are launched one after another, so many very short sequences pay a launch each.
+Gradients flow into q, k, v and sinks (first order; a second derivative raises).
+
+`flash_attn_varlen_func` (attention_ext.flash) is FlashAttention's signature over this.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import _arguments
+from ._arguments import enforce
+from ._constants import lse_dtype
+from ._ops import ops
+from .function import _below_autograd, sink_gradient
+
+__all__ = ["varlen_attention"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The op's fake kernels (shapes for torch.compile) and autograd.
+
+def _packed_batch(query, key, value):
+    return torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+
+
+def _check_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, window_left, window_right, softcap,
+                sinks, dropout_p, rng_state):
+    check = _arguments.check_traced
+    _arguments.op_rules(check, query, key, value, None, scale, causal, window_left, window_right, softcap, None,
+                        sinks, dropout_p, rng_state)
+    cu_rules(check, cu_seqlens_q, cu_seqlens_k, causal)
+
+
+def cu_rules(check, cu_seqlens_q, cu_seqlens_k, causal) -> None:
+    """What can be checked of cu_seqlens without reading them (the kernels check the values)."""
+    for cu, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        check(cu.dtype == torch.int32, TypeError, lambda cu=cu, name=name: f"{name} must be int32, got {cu.dtype}")
+        check(cu.dim() == 1 and cu.shape[0] >= 1, ValueError,
+              lambda cu=cu, name=name: f"{name} must be 1-D with (sequences + 1) entries, got shape {tuple(cu.shape)}")
+    check(cu_seqlens_q.shape[0] == cu_seqlens_k.shape[0], ValueError,
+          lambda: f"cu_seqlens_q and cu_seqlens_k must have the same number of entries (sequences + 1), got "
+          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    check(causal != 1, ValueError, lambda: "packed sequences align causal masks and windows bottom-right per "
+          "sequence (causal = 2); top-left causal (1) is not supported for them")
+
+
+@torch.library.register_fake("attention_ext::attention_varlen_fwd")
+def _varlen_fwd_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                     window_left, window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state):
+    _check_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, window_left, window_right, softcap,
+                sinks, dropout_p, rng_state)
+    batch = _packed_batch(query, key, value)
+    nd = len(batch)
+    # Laid out (total_q, batch..., d_v), seen as (batch..., total_q, d_v), as the kernels allocate it.
+    out = query.new_empty((query.shape[-2], *batch, value.shape[-1])).permute(*range(1, nd + 1), 0, nd + 1)
+    lse = query.new_empty((*batch, query.shape[-2]), dtype=lse_dtype(query.dtype))
+    return out, lse
+
+
+@torch.library.register_fake("attention_ext::attention_varlen_bwd")
+def _varlen_bwd_fake(grad_out, grad_lse, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     out, lse, scale, causal, window_left, window_right, softcap, alibi_slopes, sinks, dropout_p,
+                     rng_state):
+    _check_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, window_left, window_right, softcap,
+                sinks, dropout_p, rng_state)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (query, key, value))
+
+
+def _setup_context(ctx, inputs, output):
+    (query, key, value, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, softcap, alibi_slopes,
+     sinks, dropout_p, rng_state) = inputs
+    out, lse = output
+    ctx.args = (max_q, max_k, scale, causal, window_left, window_right, softcap)
+    ctx.dropout_p = dropout_p
+    ctx.save_for_backward(query, key, value, cu_q, cu_k, out, lse, alibi_slopes, sinks, rng_state)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, cu_q, cu_k, out, lse, alibi_slopes, sinks, rng_state = ctx.saved_tensors
+    if grad_out is None and grad_lse is None:
+        return (None,) * 16
+    dsinks = sink_gradient(sinks, lse, out, grad_out, grad_lse) if ctx.needs_input_grad[13] else None
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    max_q, max_k, scale, causal, window_left, window_right, softcap = ctx.args
+    with _below_autograd():
+        dq, dk, dv = ops.attention_varlen_bwd(grad_out, grad_lse, query, key, value, cu_q, cu_k, max_q, max_k, out,
+                                              lse, scale, causal, window_left, window_right, softcap, alibi_slopes,
+                                              sinks, ctx.dropout_p, rng_state)
+    return (dq, dk, dv) + (None,) * 10 + (dsinks, None, None)
+
+
+torch.library.register_autograd("attention_ext::attention_varlen_fwd", once_differentiable(_backward),
+                                setup_context=_setup_context)
+
+
+class VarlenAttentionFunction(torch.autograd.Function):
+    """(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+    window_left, window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state) -> (out, lse), the
+    packed op's arguments; backward runs attention_varlen_bwd (first order)."""
+
+    @staticmethod
+    def forward(*args):
+        with _below_autograd():
+            return ops.attention_varlen_fwd(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        return _backward(ctx, grad_out, grad_lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# The public function.
+
+def _check_packed_tensor(t, name, dims=3):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"attention_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"attention_ext: {name} must be (total_{'q' if name == 'q' else 'k'}, heads, head_dim) "
+                         f"in the packed layout, got shape {tuple(t.shape)}")
+
+
+def _check_max_seqlen(value, name):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise TypeError(f"attention_ext: {name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+def _per_head(values, name, heads, kv_heads, sequences, dtype):
+    """(heads,) or (sequences, heads) values as the op's per-head tensor over (kv_heads, groups)
+    (with a leading per-sequence dim)."""
+    if values is None:
+        return None
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"attention_ext: {name} must be a torch.Tensor or None, got {type(values).__name__}")
+    allowed = [(heads,)] + ([(sequences, heads)] if name == "alibi_slopes" else [])
+    if tuple(values.shape) not in allowed:
+        raise ValueError(f"attention_ext: {name} must have shape " + " or ".join(map(str, allowed))
+                         + f", got {tuple(values.shape)}")
+    if name == "alibi_slopes":
+        if values.dtype != torch.float32:
+            raise TypeError(f"attention_ext: alibi_slopes must be float32, got {values.dtype}")
+        if values.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError("attention_ext: gradients into alibi_slopes are not supported (they are "
+                                      "constants, as in FlashAttention); pass alibi_slopes.detach()")
+    elif not values.is_floating_point():
+        raise TypeError(f"attention_ext: {name} must be a floating tensor, got {values.dtype}")
+    return values.to(dtype).unflatten(-1, (kv_heads, heads // kv_heads))
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale=None, causal=False,
+                     window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, return_lse=False):
+    """Attention over packed sequences (see the module docstring). window=(left, right), -1 or None
+    unbounded, bottom-right aligned per sequence; causal=True bounds the right side at 0. softcap
+    (0: none), alibi_slopes (float32, (heads,) or (sequences, heads)) and sinks ((heads,), a logit
+    per head joining each row's softmax with value 0; differentiable) as in attention().
+    max_seqlen_q / max_seqlen_k must be at least the longest sequence (checked)."""
+    from .api import _check_dropout, _check_scale, _check_softcap, _check_window, _needs_autograd, draw_rng_state
+
+    _check_packed_tensor(q, "q")
+    _check_packed_tensor(k, "k")
+    _check_packed_tensor(v, "v")
+    _arguments.qkv_rules(enforce, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"attention_ext: k and v must have the same number of heads, got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"attention_ext: the number of heads in q ({heads}) must be a multiple of the number in k "
+                         f"and v ({kv_heads})")
+    for cu, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"attention_ext: {name} must be a torch.Tensor, got {type(cu).__name__}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"attention_ext: causal must be a bool, got {type(causal).__name__}")
+    causal_code = 2 if causal else 0
+    cu_rules(enforce, cu_seqlens_q, cu_seqlens_k, causal_code)
+    max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    scale = _check_scale(scale, k)
+    window_left, window_right = _check_window(window)
+    softcap = _check_softcap(softcap)
+    dropout_p = _check_dropout(dropout_p)
+    sequences = cu_seqlens_q.shape[0] - 1
+    slopes = _per_head(alibi_slopes, "alibi_slopes", heads, kv_heads, sequences, torch.float32)
+    sinks = _per_head(sinks, "sinks", heads, kv_heads, sequences, lse_dtype(q.dtype))
+    for t, name in ((slopes, "alibi_slopes"), (sinks, "sinks")):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"attention_ext: {name} must be on {q.device}, got {t.device}")
+
+    groups = heads // kv_heads
+    # (total, heads, d) -> (kv_heads, groups, total, d) and (kv_heads, 1, total, d): views.
+    qh = q.unflatten(1, (kv_heads, groups)).permute(1, 2, 0, 3)
+    kh, vh = (t.permute(1, 0, 2).unsqueeze(1) for t in (k, v))
+    rng_state = draw_rng_state(q.device) if dropout_p > 0 else None
+    args = (qh, kh, vh, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal_code, window_left,
+            window_right, softcap, slopes, sinks, dropout_p, rng_state)
+    if torch.compiler.is_compiling():
+        out, lse = ops.attention_varlen_fwd(*args)
+    elif _needs_autograd(qh, kh, vh, sinks):
+        out, lse = VarlenAttentionFunction.apply(*args)
+    else:
+        with _below_autograd():
+            out, lse = ops.attention_varlen_fwd(*args)
+    out = out.permute(2, 0, 1, 3).flatten(1, 2)  # rows first again: contiguous as the kernels wrote it
+    if not return_lse:
+        return out
+    return out, lse.flatten(0, 1)

@@ -1,0 +1,172 @@
+#include "kernel_passes.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <initializer_list>
+#include <string>
+
+#include "../attention_geometry.h"
+#include "cpu_dispatch.h"
+
+namespace attention_ext {
+namespace cpu {
+namespace {
+
+// The value of a path switch (an environment variable that forces one of the kernels' paths), ""
+// when unset; any other value than the allowed ones is an error, never silently the default.
+std::string path_switch(const char* name, std::initializer_list<const char*> allowed) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return "";
+  for (const char* value : allowed)
+    if (std::string(env) == value) return env;
+  TORCH_CHECK(false, "attention_ext: ", name, "=", env, " is not a known value; expected one of: ",
+              c10::Join(", ", std::vector<std::string>(allowed.begin(), allowed.end())), " (or unset)");
+}
+
+// Calls whose whole product work (batch · n · m · (d_k + d_v) multiply-adds) is below this run
+// their passes on the calling thread: starting and joining the thread pool (several microseconds
+// per pass) costs more than a second core saves on ~10 µs of work. Every work item owns its
+// outputs, so the results are bitwise the same either way.
+constexpr double kSerialWork = double(int64_t(1) << 18);
+
+double product_work(const AttentionParams& p) {
+  return static_cast<double>(p.batch_numel) * static_cast<double>(p.n) * static_cast<double>(p.m) *
+         static_cast<double>(p.dk + p.dv + 1);
+}
+
+using Calls = std::vector<const AttentionParams*>;
+
+// Runs fn over the work items of every call, items_of(call) each, as one range of items.
+template <class ItemsOf>
+void run_pass(ItemFn fn, const Calls& calls, ItemsOf items_of) {
+  std::vector<int64_t> start(calls.size() + 1, 0);
+  double work = 0.0;
+  for (size_t c = 0; c < calls.size(); ++c) {
+    start[c + 1] = start[c] + std::max<int64_t>(0, items_of(*calls[c]));
+    work += product_work(*calls[c]);
+  }
+  const int64_t items = start.back();
+  if (items == 0) return;
+  const auto body = [&](int64_t begin, int64_t end) {
+    size_t c = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1;
+    for (; begin < end; ++c) {
+      const int64_t stop = std::min(end, start[c + 1]);
+      if (stop > begin) fn(*calls[c], begin - start[c], stop - start[c]);
+      begin = std::max(begin, stop);
+    }
+  };
+  if (work < kSerialWork)
+    body(0, items);
+  else
+    at::parallel_for(0, items, 1, body);
+}
+
+Calls all_of(const std::vector<AttentionParams>& calls) {
+  Calls out;
+  for (const AttentionParams& p : calls) out.push_back(&p);
+  return out;
+}
+
+int64_t query_tiles(const AttentionParams& p) { return p.batch_numel * ceil_div(p.n, kBlockM); }
+
+// The fused backward (one pass per key owner) saves recomputing S and dP but parallelises only
+// over key owners; the split one parallelises over tiles. Both give bitwise identical results,
+// so the choice may follow the thread count. ATTENTION_EXT_CPU_BACKWARD=fused|split forces one.
+bool use_fused_backward(const AttentionParams& p, const std::string& forced) {
+  if (owners_of(p, p.grad_q) != p.batch_numel) return false;  // query broadcast: dQ rows shared
+  if (p.n == 0 || p.m == 0) return false;
+  if (!forced.empty()) return forced == "fused";
+  return owners_of(p, p.grad_k) >= 2 * static_cast<int64_t>(at::get_num_threads());
+}
+
+// Key ranges of the decode forward (n <= kDecodeRows). A function of the shape alone, never of
+// the thread count, so results are bitwise the same on any number of threads: enough items to
+// keep a large pool busy, each range at least kMinSplitKeys keys so that merging stays cheap.
+constexpr int64_t kDecodeItems = 64;
+constexpr int64_t kMinSplitKeys = 512;
+
+// The ranges cover only the keys some row can see (a sliding window's few, of a long cache).
+void set_decode_splits(AttentionParams& p) {
+  p.split_key_begin = visible_key_tile_begin(p, 0, kBlockN);
+  const int64_t keys = imax(1, visible_key_end(p, 0, p.n) - p.split_key_begin);
+  int64_t splits = 1;
+  if (p.batch_numel < kDecodeItems)
+    splits = imax(1, imin(ceil_div(kDecodeItems, p.batch_numel), keys / kMinSplitKeys));
+  p.split_keys = ceil_div(ceil_div(keys, splits), kBlockN) * kBlockN;
+  p.kv_splits = ceil_div(keys, p.split_keys);
+}
+
+}  // namespace
+
+// ATTENTION_EXT_CPU_FORWARD=tiled|decode forces one (decode only applies up to kDecodeRows rows).
+void run_forward(std::vector<AttentionParams>& calls, const at::Tensor& like) {
+  const KernelTable& kernels = active_kernels();
+  const bool allow_decode = path_switch("ATTENTION_EXT_CPU_FORWARD", {"tiled", "decode"}) != "tiled";
+  Calls tiled, decode;
+  std::vector<AttentionParams*> split;  // decode calls over several key ranges: scratch, then a merge
+  int64_t scratch_rows = 0;
+  for (AttentionParams& p : calls) {
+    if (!allow_decode || p.n > kDecodeRows) {
+      tiled.push_back(&p);
+      continue;
+    }
+    set_decode_splits(p);
+    decode.push_back(&p);
+    if (p.kv_splits > 1) {
+      split.push_back(&p);
+      scratch_rows += p.batch_numel * p.kv_splits * p.n;
+    }
+  }
+  run_pass(kernels.forward, tiled, query_tiles);
+  if (decode.empty()) return;
+  at::Tensor split_out, split_stats;
+  if (!split.empty()) {
+    const auto acc = like.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    const int64_t acc_bytes = acc == at::kDouble ? 8 : 4;
+    int64_t dv = 0;
+    for (const AttentionParams* p : split) dv = std::max(dv, p->dv);
+    split_out = at::empty({scratch_rows * dv}, like.options().dtype(acc));
+    split_stats = at::empty({scratch_rows * 2}, like.options().dtype(acc));
+    int64_t rows = 0;
+    for (AttentionParams* p : split) {
+      p->split_out = static_cast<char*>(split_out.data_ptr()) + rows * dv * acc_bytes;
+      p->split_stats = static_cast<char*>(split_stats.data_ptr()) + rows * 2 * acc_bytes;
+      rows += p->batch_numel * p->kv_splits * p->n;
+    }
+  }
+  run_pass(kernels.forward_decode, decode, [](const AttentionParams& p) { return p.batch_numel * p.kv_splits; });
+  run_pass(kernels.forward_combine, Calls(split.begin(), split.end()), [](const AttentionParams& p) { return p.batch_numel; });
+}
+
+void run_backward(const std::vector<AttentionParams>& calls, const BackwardOutputs& outputs) {
+  const KernelTable& kernels = active_kernels();
+  const Calls all = all_of(calls);
+  run_pass(kernels.row_shift, all, query_tiles);
+  run_pass(kernels.backward_delta, all, query_tiles);
+  const std::string forced = path_switch("ATTENTION_EXT_CPU_BACKWARD", {"fused", "split"});
+  Calls fused, split;
+  for (const AttentionParams* p : all) (use_fused_backward(*p, forced) ? fused : split).push_back(p);
+  run_pass(kernels.backward_fused, fused, [](const AttentionParams& p) { return owners_of(p, p.grad_k); });
+  if (outputs.kv)
+    run_pass(kernels.backward_kv, split,
+             [](const AttentionParams& p) { return owners_of(p, p.grad_k) * ceil_div(p.m, kBlockN); });
+  if (outputs.q)
+    run_pass(kernels.backward_q, split,
+             [](const AttentionParams& p) { return owners_of(p, p.grad_q) * ceil_div(p.n, kBlockM); });
+  if (outputs.mask)
+    run_pass(kernels.backward_mask, all, [](const AttentionParams& p) {
+      const bool rows_bcast = p.n > 1 && p.grad_mask.row_stride == 0;
+      return owners_of(p, p.grad_mask) * (rows_bcast ? 1 : ceil_div(p.n, kBlockM));
+    });
+}
+
+void run_probabilities(const std::vector<AttentionParams>& calls) {
+  const Calls all = all_of(calls);
+  run_pass(active_kernels().row_shift, all, query_tiles);
+  run_pass(active_kernels().probabilities, all, query_tiles);
+}
+
+}  // namespace cpu
+}  // namespace attention_ext
