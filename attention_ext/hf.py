@@ -18,11 +18,12 @@ training and generate() alike:
   * packed sequences (position_ids restarting at 0, or cu_seq_lens_q/k from
     DataCollatorWithFlattening): recognised here even when transformers' mask code did not see
     the packing (a training forward with the default use_cache=True), so no sequence attends to
-    another.
+    another. Without a mask from transformers they run as packed variable-length batches
+    (attention_ext.varlen): cost Σ n_b², no mask.
 What still materialises a boolean mask: padding (a (batch, 1, n, m) mask from transformers'
 sdpa_mask), a static cache's unfilled slots, a sliding window that bites under either, and packed
-sequences (a block-diagonal (batch, 1, n, n) mask: the kernels have no variable-length batches
-yet, so packed rows cost O(n²) rather than Σ n_b²).
+sequences when transformers' mask code saw the packing (use_cache=False; it then hands over a
+block-diagonal (batch, 1, n, n) mask, which is applied as given) or the weights are asked for.
 
 transformers is an optional dependency (`pip install attention_ext[hf]`), imported only here.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from .api import attention, attention_weights
+from .varlen import varlen_attention
 
 __all__ = ["register", "attention_forward", "mask_function", "calls"]
 
@@ -60,6 +62,11 @@ def mask_function(*args, **kwargs):
     from transformers.masking_utils import sdpa_mask
     kwargs["allow_is_causal_skip"] = True
     kwargs["allow_is_bidirectional_skip"] = True
+    # A sliding window without padding is structure too: attention_forward passes the layer's
+    # sliding_window to the kernels (as transformers' FlashAttention path does), so the causal
+    # skip may ignore it. Not for chunked attention (attention_chunk_size), which is no window.
+    if kwargs.get("attention_mask") is None and getattr(kwargs.get("config"), "attention_chunk_size", None) is None:
+        kwargs["local_size"] = None
     return sdpa_mask(*args, **kwargs)
 
 
@@ -85,6 +92,20 @@ def _packed_segments(position_ids, cu_seq_lens, batch, n):
     return torch.cat([first, restarts.to(torch.int64).cumsum(-1)], dim=-1).expand(batch, n)
 
 
+def _packed_attention(query, key, value, segments, dropout, scaling, causal, window, softcap, sinks):
+    """Packed rows as a variable-length batch: each (batch row, segment) is a sequence of its own.
+    query (batch, heads, n, d) -> (batch·n, heads, d) rows; returns (batch, n, heads, d_v)."""
+    batch, n = segments.shape
+    ids = (segments + torch.arange(batch, device=segments.device).unsqueeze(-1) * (n + 1)).reshape(-1)
+    lengths = torch.unique_consecutive(ids, return_counts=True)[1]
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    longest = int(lengths.max())
+    rows = [t.transpose(1, 2).reshape(batch * n, t.shape[1], t.shape[-1]) for t in (query, key, value)]
+    out = varlen_attention(*rows, cu, cu, longest, longest, scale=scaling, causal=causal,
+                           window=window or (-1, -1), softcap=softcap or 0.0, sinks=sinks, dropout_p=dropout)
+    return out.view(batch, n, *out.shape[1:])
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                       **kwargs):
     """transformers' attention-function signature: query (batch, heads, n, d), key/value
@@ -105,6 +126,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     # ([0, 0, 1, ...]), but the mask transformers gives then already hides the padding keys, so
     # the segment mask below changes nothing there.
     segments = _packed_segments(kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), batch, n) if m == n else None
+    sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    # transformers' sliding window: attend iff 0 <= q_pos - k_pos < sliding_window.
+    window = (int(sliding) - 1, None) if sliding is not None and causal_layer else None
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    if segments is not None and structure_only and not kwargs.get("output_attentions", False):
+        return _packed_attention(query, key, value, segments.to(query.device), dropout, scaling, bool(causal_layer),
+                                 window and (window[0], -1), softcap, sinks), None
     if segments is not None:
         segments = segments.to(query.device)
         same = (segments.unsqueeze(-1) == segments.unsqueeze(-2)).unsqueeze(1)  # (batch, 1, n, n)
@@ -116,16 +145,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             mask = mask & same
         else:
             mask = mask.masked_fill(~same, float("-inf"))
-    causal = None
-    window = None
-    if structure_only:
-        if causal_layer:
-            causal = "bottom_right"
-        sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-        if sliding is not None and causal_layer:
-            window = (int(sliding) - 1, None)  # transformers: attend iff 0 <= q_pos - k_pos < sliding_window
-    softcap = kwargs.get("softcap")
-    sinks = kwargs.get("s_aux")
+    causal = "bottom_right" if structure_only and causal_layer else None
+    if not structure_only:
+        window = None  # transformers' mask holds the window already
     options = dict(attn_mask=mask, causal=causal, window=window, softcap=softcap or None, scale=scaling,
                    enable_gqa=heads != key.shape[1])
     out = attention(query, key, value, sinks=sinks, dropout_p=dropout, **options)

@@ -120,10 +120,13 @@ def test_greedy_generation_gives_the_same_tokens(family, cache, no_sdpa):
 
 
 @pytest.mark.parametrize("family", DECODERS)
-@pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens"])
-def test_packed_sequences_equal_the_sequences_run_one_by_one(family, how, no_sdpa):
-    """Three sequences packed in one row (as DataCollatorWithFlattening makes them), run with the
-    default use_cache=True, where transformers' mask code does not see the packing."""
+@pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens", "use_cache=False"])
+def test_packed_sequences_equal_the_sequences_run_one_by_one(family, how, no_sdpa, monkeypatch):
+    """Three sequences packed in one row (as DataCollatorWithFlattening makes them). With the
+    default use_cache=True transformers' mask code does not see the packing and gives no mask: the
+    rows run as a packed variable-length batch (no dense call, no mask). With use_cache=False it
+    builds the block-diagonal mask itself, which is applied as given. Logits and gradients equal
+    those of the sequences run one by one."""
     model = build(family)
     model.set_attn_implementation(NAME)
     lengths = [5, 9, 3]
@@ -134,10 +137,24 @@ def test_packed_sequences_equal_the_sequences_run_one_by_one(family, how, no_sdp
     if how == "cu_seq_lens":
         cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
         inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
-    with torch.no_grad():
-        got = model(**inputs).logits
-        want = torch.cat([model(input_ids=s).logits for s in seqs], dim=1)
-    assert_same(got, want, "packed logits")
+    if how == "use_cache=False":
+        inputs.update(use_cache=False)
+    else:
+        def no_dense_call(*args, **kwargs):
+            raise AssertionError("packed rows without a mask went to the dense kernels")
+        monkeypatch.setattr(hf, "attention", no_dense_call)
+    model.zero_grad(set_to_none=True)
+    got = model(**inputs).logits
+    got.square().mean().backward()
+    got_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    monkeypatch.undo()
+    model.zero_grad(set_to_none=True)
+    want = torch.cat([model(input_ids=s).logits for s in seqs], dim=1)
+    want.square().mean().backward()
+    assert_same(got.detach(), want.detach(), "packed logits")
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            assert_same(got_grads[name], p.grad, f"gradient of {name}", tol=1e-4)
 
 
 def test_output_attentions_are_the_exact_weights(no_sdpa):
