@@ -88,3 +88,18 @@ def test_window_benchmark_writes_a_row_per_window_and_mode(tmp_path):
     assert result["rows"][0]["visible_pairs"] == 45 + 9 * 151
     assert result["rows"][2]["visible_pairs"] == 160 * 161 // 2
     assert "| 8 | fwd |" in (tmp_path / "window.md").read_text()
+
+
+@pytest.mark.slow_on_emulation
+def test_varlen_benchmark_times_every_candidate_in_both_modes(tmp_path):
+    prefix = tmp_path / "varlen"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_varlen.py"), "--lengths",
+                           "70,33,1", "--heads", "2", "--d", "16", "--reps", "1", "--out", str(prefix)],
+                          capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "varlen.json").read_text())
+    candidates = ["ours packed", "ours padded", "torch padded", "torch loop"]
+    assert [(r["candidate"], r["mode"]) for r in result["rows"]] == [(c, m) for m in ("fwd", "fwdbwd")
+                                                                     for c in candidates]
+    assert all(r["ms"] > 0 for r in result["rows"])
+    assert "| ours packed | fwd |" in (tmp_path / "varlen.md").read_text()
