@@ -136,8 +136,9 @@ ROWS = [
                                "the lse gradient"),
     Row(("bitwise deterministic, independent of the thread count",
          "yes, no atomics",
-         "flash kernel: identical for 1–3 threads in our tests, not a documented guarantee; math fallback: "
-         "no, its float32 backward changed with the thread count",
+         "flash kernel: not a documented guarantee; bf16 identical for 1–3 threads in our tests, float32 dQ "
+         "differed between 1 and 2–3 threads on an Intel Xeon (identical on AMD Zen 3/4); math fallback: no, its "
+         "float32 backward changed with the thread count",
          "forward yes; backward opt-in (`deterministic=True`)"),
         torch_tests=("test_torch_flash_kernel_is_bitwise_identical_for_one_to_three_threads",
                      "test_torch_math_fallback_float32_backward_changes_with_the_thread_count"),
@@ -581,7 +582,9 @@ FLASH_DETERMINISM_CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+# float32 is not asserted: its dQ differed between 1 and 2-3 threads on an Intel Xeon (family 6,
+# model 207) and was identical on AMD Zen 3 and Zen 4, so the README states both observations.
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", FLASH_DETERMINISM_CASES)
 def test_torch_flash_kernel_is_bitwise_identical_for_one_to_three_threads(case, dtype, restore_threads):
     kwargs = dict(FLASH_DETERMINISM_CASES[case])

@@ -290,6 +290,26 @@ def test_bad_arguments_raise_clear_errors(bad, error, message):
         varlen_attention(q, k, v, bad.get("cu_q", cu_q), cu_k, bad.get("max_q", 3), 4, **kwargs)
 
 
+def test_the_signatures_are_flash_attentions():
+    import inspect
+
+    import attention_ext.flash as flash
+
+    params = inspect.signature(flash_attn_varlen_func).parameters
+    assert list(params) == ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
+                            "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+                            "return_attn_probs", "block_table"]
+    defaults = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+    assert defaults == {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
+                        "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "return_attn_probs": False,
+                        "block_table": None}
+    assert list(inspect.signature(attention_ext.flash_attn_varlen_kvpacked_func).parameters)[:2] == ["q", "kv"]
+    assert list(inspect.signature(attention_ext.flash_attn_varlen_qkvpacked_func).parameters)[:3] == [
+        "qkv", "cu_seqlens", "max_seqlen"]
+    for name in ("flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func"):
+        assert getattr(attention_ext, name) is getattr(flash, name) and name in attention_ext.__all__
+
+
 def test_paged_block_table_is_refused_clearly():
     q, k, v, cu_q, cu_k = packed_inputs([3], [4], 2, 2, 8)
     with pytest.raises(NotImplementedError, match="block_table"):
