@@ -6,6 +6,7 @@
     w = attention_ext.attention_weights(q, k)
     out = attention_ext.flash_attn_func(q, k, v, causal=True)   # FlashAttention 2's API, (B, S, H, D)
     out = attention_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)   # packed sequences
+    out = attention_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=n)   # decode
 
 The same fused kernels serve float64/float32/float16/bfloat16 on CPU (and CUDA where built),
 forward and backward, so gradcheck exercises the fast code itself.
@@ -33,6 +34,7 @@ from .flash import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
+from .kv_cache import flash_attn_with_kvcache
 from .varlen import varlen_attention
 from .reference import attention_reference
 
@@ -49,6 +51,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "varlen_attention",
     "build_info",
     "cpu_variant",

@@ -31,8 +31,11 @@ aligned bottom-right per sequence; softmax_lse is (heads, total_q). The kernels 
 padding (attention_ext.varlen). With return_attn_probs=True the third result is the exact
 probabilities zero-padded to (batch, heads, max_seqlen_q, max_seqlen_k).
 
+flash_attn_with_kvcache (attention_ext.kv_cache) is inference against a key/value cache, contiguous
+or paged, with in-place append and rotary embeddings.
+
 Not supported yet (a clear NotImplementedError, never a silent fallback): a paged key/value cache
-through flash_attn_varlen_func's block_table.
+through flash_attn_varlen_func's block_table (flash_attn_with_kvcache takes one).
 """
 from __future__ import annotations
 
@@ -41,10 +44,11 @@ import numbers
 import torch
 
 from .api import attention, attention_weights
+from .kv_cache import flash_attn_with_kvcache
 from .varlen import varlen_attention
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
-           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func"]
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
 
 
 def _check_layout(q, k, v):

@@ -71,6 +71,15 @@ struct AttentionParams {
   void* split_out = nullptr;
   void* split_stats = nullptr;
 
+  // Paged keys and values (a KV cache in blocks, as vLLM keeps it; CPU decode forward only): key j
+  // of the call is row (key_offset + j) % block_size of block key_blocks[(key_offset + j) /
+  // block_size], blocks k_block_stride / v_block_stride elements apart from k.data / v.data (which
+  // hold block 0's batch-position offsets as usual). key_blocks == nullptr: rows are j·row_stride.
+  const int32_t* key_blocks = nullptr;
+  int64_t block_size = 0;
+  int64_t key_offset = 0;
+  int64_t k_block_stride = 0, v_block_stride = 0;
+
   MaskKind mask_kind = MaskKind::kNone;
   CausalKind causal = CausalKind::kNone;
   // Sliding window, FlashAttention's (left, right): key j visible to query i iff

@@ -49,6 +49,14 @@ TORCH_LIBRARY(attention_ext, m) {
       "float scale, int causal, int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
       "Tensor? sinks, float dropout_p, Tensor? rng_state) -> (Tensor grad_query, Tensor grad_key, "
       "Tensor grad_value)");
+  // Inference against a key/value cache (csrc/kv_cache.h): query (batch, heads..., n, d), caches
+  // (rows | blocks, heads..., length | block_size, d); batch entry b attends to keys
+  // [cache_leftpad[b], cache_seqlens[b]) of cache row cache_batch_idx[b] (or b), or of the blocks
+  // block_table[b] lists. causal 0 or 2; alibi_slopes may have one row per batch entry. No autograd.
+  m.def(
+      "attention_kvcache_fwd(Tensor query, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
+      "Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, float scale, int causal, "
+      "int window_left, int window_right, float softcap, Tensor? alibi_slopes) -> (Tensor out, Tensor lse)");
   // Introspection and CPU kernel-variant control; no tensors, so one implementation for all.
   m.def("build_info() -> str", &attention_ext::build_info);
   m.def("cpu_variant() -> str", &attention_ext::cpu_variant);

@@ -11,7 +11,9 @@
 #include "../op_arguments.h"
 #include "../attention_geometry.h"
 #include "../philox.h"
+#include "../kv_cache.h"
 #include "../packed_sequences.h"
+#include "kernel_table.h"
 #include "kernel_passes.h"
 
 namespace attention_ext {
@@ -115,6 +117,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd(
   return {gq, gk, gv};
 }
 
+// Inference against a KV cache (kv_cache.h): calls of few query rows read a paged cache through
+// its block table in the decode kernel; longer ones get their blocks copied first.
+std::tuple<at::Tensor, at::Tensor> attention_kvcache_fwd(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& cache_batch_idx, const std::optional<at::Tensor>& cache_leftpad,
+    const std::optional<at::Tensor>& block_table, double scale, int64_t causal, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  const KVCacheCall call =
+      check_kv_cache_inputs(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, scale,
+                            {causal, window_left, window_right, softcap, alibi_slopes, std::nullopt});
+  auto [out, lse] = allocate_kv_cache_outputs(call, q);
+  if (lse.numel() == 0) return {out, lse};
+  std::vector<at::Tensor> scratch;
+  std::vector<AttentionParams> calls = kv_cache_params(call, q, k_cache, v_cache, out, lse, scale,
+                                                       call.shape.n <= kDecodeRows, &scratch);
+  run_forward(calls, q);
+  return {out, lse};
+}
+
 at::Tensor dropout_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_shape, int64_t n,
                              int64_t m, double dropout_p) {
   int64_t batch = 1;
@@ -147,6 +168,7 @@ TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
   m.impl("dropout_keep_mask", &dropout_keep_mask);
   m.impl("attention_varlen_fwd", &attention_varlen_fwd);
   m.impl("attention_varlen_bwd", &attention_varlen_bwd);
+  m.impl("attention_kvcache_fwd", &attention_kvcache_fwd);
 }
 #endif
 

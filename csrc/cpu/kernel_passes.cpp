@@ -108,7 +108,10 @@ void run_forward(std::vector<AttentionParams>& calls, const at::Tensor& like) {
   std::vector<AttentionParams*> split;  // decode calls over several key ranges: scratch, then a merge
   int64_t scratch_rows = 0;
   for (AttentionParams& p : calls) {
-    if (!allow_decode || p.n > kDecodeRows) {
+    // Only the decode kernel reads a paged K/V (the bindings copy the blocks of longer calls).
+    TORCH_CHECK(p.key_blocks == nullptr || p.n <= kDecodeRows, "attention_ext: internal: a paged call of ", p.n,
+                " query rows reached the CPU forward");
+    if (p.key_blocks == nullptr && (!allow_decode || p.n > kDecodeRows)) {
       tiled.push_back(&p);
       continue;
     }

@@ -17,6 +17,7 @@
 #endif
 
 #include "../op_arguments.h"
+#include "../kv_cache.h"
 #include "../packed_sequences.h"
 #include "../philox.h"
 #include "kernels.h"
@@ -54,6 +55,20 @@ void check_launch(cudaError_t err) {
 }
 #endif
 
+// Plans the split-KV forward of one call and launches it, with its scratch (released after the
+// launch, stream-ordered).
+void launch_forward(AttentionParams& p, const at::Tensor& q) {
+  plan_forward_cuda(p);
+  at::Tensor split_out, split_stats;
+  if (p.kv_splits > 1) {
+    split_out = at::empty({p.batch_numel * p.kv_splits * p.n * p.dv}, q.options().dtype(at::kFloat));
+    split_stats = at::empty({p.batch_numel * p.kv_splits * p.n * 2}, q.options().dtype(at::kFloat));
+    p.split_out = split_out.data_ptr();
+    p.split_stats = split_stats.data_ptr();
+  }
+  check_launch(attention_fwd_cuda(p, current_stream()));
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v,
                                                  const std::optional<at::Tensor>& attn_mask,
@@ -72,15 +87,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
   AttentionParams p = make_params(shape, q, k, v, attn_mask, scale, logit, dropout_p, rng_state);
   p.out = make_ref(out, shape.batch);
   p.lse = make_row_ref(lse, shape.batch);
-  plan_forward_cuda(p);
-  at::Tensor split_out, split_stats;  // split-KV scratch, released after the launch (stream-ordered)
-  if (p.kv_splits > 1) {
-    split_out = at::empty({p.batch_numel * p.kv_splits * p.n * p.dv}, q.options().dtype(at::kFloat));
-    split_stats = at::empty({p.batch_numel * p.kv_splits * p.n * 2}, q.options().dtype(at::kFloat));
-    p.split_out = split_out.data_ptr();
-    p.split_stats = split_stats.data_ptr();
-  }
-  check_launch(attention_fwd_cuda(p, current_stream()));
+  launch_forward(p, q);
   return {out, lse};
 }
 
@@ -157,15 +164,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd(
   packed.out = make_ref(out, call.shape.batch);
   packed.lse = make_row_ref(lse, call.shape.batch);
   for (AttentionParams& p : sequence_params(packed, call)) {
-    plan_forward_cuda(p);
-    at::Tensor split_out, split_stats;
-    if (p.kv_splits > 1) {
-      split_out = at::empty({p.batch_numel * p.kv_splits * p.n * p.dv}, q.options().dtype(at::kFloat));
-      split_stats = at::empty({p.batch_numel * p.kv_splits * p.n * 2}, q.options().dtype(at::kFloat));
-      p.split_out = split_out.data_ptr();
-      p.split_stats = split_stats.data_ptr();
-    }
-    check_launch(attention_fwd_cuda(p, current_stream()));
+    launch_forward(p, q);
   }
   return {out, lse};
 }
@@ -199,6 +198,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd(
   return {gq, gk, gv};
 }
 
+// Inference against a KV cache (kv_cache.h), one launch (or split-KV pair) per batch entry; a
+// paged cache has each entry's blocks copied into one contiguous tensor first (the CUDA kernels do
+// not read through a block table).
+std::tuple<at::Tensor, at::Tensor> attention_kvcache_fwd(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& cache_batch_idx, const std::optional<at::Tensor>& cache_leftpad,
+    const std::optional<at::Tensor>& block_table, double scale, int64_t causal, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  check_cuda(q, q, "query");
+  const DeviceGuard guard(q.device());
+  const KVCacheCall call =
+      check_kv_cache_inputs(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, scale,
+                            {causal, window_left, window_right, softcap, alibi_slopes, std::nullopt});
+  auto [out, lse] = allocate_kv_cache_outputs(call, q);
+  if (lse.numel() == 0) return {out, lse};
+  std::vector<at::Tensor> scratch;
+  for (AttentionParams& p : kv_cache_params(call, q, k_cache, v_cache, out, lse, scale, false, &scratch)) {
+    launch_forward(p, q);
+  }
+  return {out, lse};
+}
+
 at::Tensor dropout_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_shape, int64_t n,
                              int64_t m, double dropout_p) {
   const DeviceGuard guard(rng_state.device());
@@ -224,6 +245,7 @@ TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
   m.impl("dropout_keep_mask", &dropout_keep_mask);
   m.impl("attention_varlen_fwd", &attention_varlen_fwd);
   m.impl("attention_varlen_bwd", &attention_varlen_bwd);
+  m.impl("attention_kvcache_fwd", &attention_kvcache_fwd);
 }
 
 }  // namespace cuda

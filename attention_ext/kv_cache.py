@@ -1,0 +1,225 @@
+"""Inference against a key/value cache: FlashAttention 2's `flash_attn_with_kvcache`, on CPU and CUDA,
+in float64/float32/float16/bfloat16.
+
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
+                                  causal=True)
+
+q (batch, seqlen_q, heads, head_dim); k_cache / v_cache (batch_cache, seqlen_cache, kv_heads, head_dim),
+or paged (num_blocks, block_size, kv_heads, head_dim) with block_table (batch, max_blocks) int32 —
+any block_size >= 1. heads is a multiple of kv_heads (GQA/MQA, no copies). Per batch entry b:
+  1. with k / v (batch, seqlen_new, kv_heads, head_dim) given, they are written into the cache in
+     place at positions cache_seqlens[b], cache_seqlens[b] + 1, ... (through block_table when paged),
+     after rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2) rotated them at those positions —
+     interleaved pairs (0, 1), (2, 3), ... or, with rotary_interleaved=False, the halves (GPT-NeoX);
+     q is rotated at the same positions when causal or windowed, else all its rows at cache_seqlens[b]
+     (FlashAttention's rule). Positions count from cache_leftpad[b];
+  2. q attends to the keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new) of cache row
+     cache_batch_idx[b] (default b), causal and window aligned bottom-right, softcap and ALiBi as in
+     flash_attn_func.
+Returns out (batch, seqlen_q, heads, head_dim_v), and softmax_lse (batch, heads, seqlen_q) with
+return_softmax_lse=True. Inference only: inputs that require grad (with grad mode on) are refused.
+Every write is checked first: a cache overflow (cache_seqlens + seqlen_new beyond the cache) or a
+block id outside the cache raises before anything is written.
+
+The CPU decode kernel reads a paged cache through its block table (calls of up to 8 query rows);
+longer calls, and the CUDA kernels, copy each entry's blocks into one contiguous tensor first.
+num_splits is accepted for compatibility: the kernels choose their key split from the shape, so
+results never depend on it.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from . import _arguments
+from ._constants import lse_dtype
+from ._ops import ops
+
+__all__ = ["flash_attn_with_kvcache"]
+
+
+@torch.library.register_fake("attention_ext::attention_kvcache_fwd")
+def _kvcache_fwd_fake(query, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, scale,
+                      causal, window_left, window_right, softcap, alibi_slopes):
+    check = _arguments.check_traced
+    _arguments.qkv_rules(check, query, k_cache, v_cache)
+    _arguments.scale_rules(check, scale, query.dtype)
+    _arguments.softcap_rules(check, softcap)
+    heads = torch.broadcast_shapes(query.shape[1:-2], k_cache.shape[1:-2], v_cache.shape[1:-2])
+    batch, n, dv = query.shape[0], query.shape[-2], v_cache.shape[-1]
+    nd = len(heads)
+    out = query.new_empty((batch, n, *heads, dv)).permute(0, *range(2, nd + 2), 1, nd + 2)
+    return out, query.new_empty((batch, *heads, n), dtype=lse_dtype(query.dtype))
+
+
+def _fail(error, message):
+    raise error("attention_ext.flash_attn_with_kvcache: " + message)
+
+
+def _per_entry(t, name, batch, device):
+    """An optional int32 (batch,) argument, as a host list (None if not given)."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
+        got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        _fail(TypeError, f"{name} must be an int32 tensor of shape ({batch},), got {got}")
+    if t.device.type != "cpu" and t.device != device:
+        _fail(ValueError, f"{name} must be on {device} (or the CPU), got {t.device}")
+    return t.tolist()
+
+
+def _rotate(x, cos, sin, positions, interleaved):
+    """Rotary embedding of the first 2·cos.shape[1] dims of x (batch, rows, heads, d) at
+    positions (batch, rows), computed in float32 (float64 for float64 x)."""
+    half = cos.shape[1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    c = cos.to(acc)[positions].unsqueeze(2)
+    s = sin.to(acc)[positions].unsqueeze(2)
+    part = x[..., :2 * half].to(acc)
+    if interleaved:
+        x1, x2 = part[..., 0::2], part[..., 1::2]
+        rotated = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = part[..., :half], part[..., half:]
+        rotated = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def _check_tensors(q, k_cache, v_cache, k, v, paged):
+    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            _fail(ValueError, f"{name} must be a 4-D tensor ({'(num_blocks, block_size' if paged and name != 'q' else '(batch, seqlen'}, heads, head_dim)), got {got}")
+    if (k is None) != (v is None):
+        _fail(ValueError, "k and v must be given together (the new keys and values to append)")
+    tensors = [(q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")] + ([(k, "k"), (v, "v")] if k is not None else [])
+    for t, name in tensors:
+        if t.dtype != q.dtype or t.device != q.device:
+            _fail(TypeError, f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
+        if t.requires_grad and torch.is_grad_enabled():
+            _fail(RuntimeError, f"{name} requires grad: this is an inference function (no backward); call it under "
+                                "torch.no_grad() or pass detached tensors")
+    if q.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        _fail(TypeError, f"q must be float64, float32, float16 or bfloat16, got {q.dtype}")
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[-1] != q.shape[-1]:
+        _fail(ValueError, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must share their first "
+                          f"three dims, and k_cache q's head dim {q.shape[-1]}")
+    heads, kv_heads = q.shape[2], k_cache.shape[2]
+    if kv_heads == 0 or heads % kv_heads:
+        _fail(ValueError, f"the number of heads in q ({heads}) must be a multiple of the number in the cache ({kv_heads})")
+    if k is not None:
+        want_k = (q.shape[0], k.shape[1], kv_heads, k_cache.shape[-1])
+        want_v = (q.shape[0], k.shape[1], kv_heads, v_cache.shape[-1])
+        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+            _fail(ValueError, f"k and v must be (batch, seqlen_new, kv_heads, head_dim) = {want_k} / {want_v}, got "
+                              f"{tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def _window(causal, window_size):
+    if not isinstance(causal, bool):
+        _fail(TypeError, f"causal must be a bool, got {type(causal).__name__}")
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        _fail(TypeError, f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    if left < -1 or right < -1:
+        _fail(ValueError, f"window_size values must be -1 (unbounded) or >= 0, got {(left, right)}")
+    return (left, 0) if causal else (left, right)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """FlashAttention 2's flash_attn_with_kvcache (see the module docstring)."""
+    from .api import _check_scale, _check_softcap
+
+    paged = block_table is not None
+    _check_tensors(q, k_cache, v_cache, k, v, paged)
+    batch, seqlen_q, heads, _ = q.shape
+    kv_heads, device = k_cache.shape[2], q.device
+    window_left, window_right = _window(causal, window_size)
+    scale = _check_scale(softmax_scale, q)
+    softcap = _check_softcap(softcap)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        _fail(TypeError, f"num_splits must be an int >= 0, got {num_splits!r}")
+    if not isinstance(rotary_interleaved, bool) or not isinstance(return_softmax_lse, bool):
+        _fail(TypeError, "rotary_interleaved and return_softmax_lse must be bools")
+
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
+                or block_table.shape[0] != batch:
+            _fail(TypeError, f"block_table must be an int32 tensor of shape ({batch}, max_blocks)")
+        if cache_batch_idx is not None:
+            _fail(ValueError, "cache_batch_idx cannot be combined with block_table (the table names each entry's blocks)")
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[1]
+    new = 0 if k is None else k.shape[1]
+    if cache_seqlens is None:
+        if k is not None:
+            _fail(ValueError, "appending k / v needs cache_seqlens (where each entry's new keys go)")
+        lengths = [capacity] * batch
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        lengths = [int(cache_seqlens)] * batch
+    else:
+        lengths = _per_entry(cache_seqlens, "cache_seqlens", batch, device)
+    rows = _per_entry(cache_batch_idx, "cache_batch_idx", batch, device) or list(range(batch))
+    leftpad = _per_entry(cache_leftpad, "cache_leftpad", batch, device) or [0] * batch
+    for b in range(batch):
+        if not 0 <= lengths[b] or lengths[b] + new > capacity:
+            _fail(ValueError, f"cache_seqlens[{b}] = {lengths[b]} plus {new} new keys overflows the cache's {capacity} "
+                              "positions")
+        if not 0 <= leftpad[b] <= lengths[b] + new:
+            _fail(ValueError, f"cache_leftpad[{b}] = {leftpad[b]} must be in [0, {lengths[b] + new}]")
+        if not paged and not 0 <= rows[b] < k_cache.shape[0]:
+            _fail(IndexError, f"cache_batch_idx[{b}] = {rows[b]} is outside the cache's {k_cache.shape[0]} rows")
+
+    if rotary_cos is not None or rotary_sin is not None:
+        if rotary_cos is None or rotary_sin is None or k is None:
+            _fail(ValueError, "rotary_cos and rotary_sin go together and only with new k / v to rotate")
+        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or 2 * rotary_cos.shape[1] > q.shape[-1]:
+            _fail(ValueError, f"rotary_cos / rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
+                              f"head_dim ({q.shape[-1]}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        start = torch.tensor([lengths[b] - leftpad[b] for b in range(batch)], device=device).unsqueeze(-1)
+        k_positions = start + torch.arange(new, device=device)
+        q_positions = start + (torch.arange(seqlen_q, device=device) if causal or (window_left, window_right) != (-1, -1)
+                               else torch.zeros(seqlen_q, dtype=torch.int64, device=device))
+        last = max([int(k_positions.max()) if new else -1] + [int(q_positions.max()) if seqlen_q else -1])
+        if last >= rotary_cos.shape[0]:
+            _fail(ValueError, f"position {last} is beyond the rotary tables' {rotary_cos.shape[0]} positions")
+        k = _rotate(k, rotary_cos, rotary_sin, k_positions, rotary_interleaved)
+        q = _rotate(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
+
+    if k is not None and new > 0:
+        positions = torch.tensor(lengths, device=device).unsqueeze(-1) + torch.arange(new, device=device)
+        if paged:
+            table = block_table.to(device=device, dtype=torch.int64)
+            blocks = table.gather(1, positions // k_cache.shape[1])
+            if bool(((blocks < 0) | (blocks >= k_cache.shape[0])).any()):
+                _fail(IndexError, f"block_table names a block outside the cache's {k_cache.shape[0]} blocks where the "
+                                  "new keys go")
+            index = (blocks, positions % k_cache.shape[1])
+        else:
+            index = (torch.tensor(rows, device=device).unsqueeze(-1).expand(batch, new), positions)
+        k_cache.index_put_(index, k)
+        v_cache.index_put_(index, v)
+
+    groups = heads // kv_heads
+    slopes = alibi_slopes
+    if slopes is not None:
+        if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32 \
+                or tuple(slopes.shape) not in ((heads,), (batch, heads)):
+            _fail(TypeError, f"alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads})")
+        slopes = slopes.unflatten(-1, (kv_heads, groups))
+    qh = q.unflatten(2, (kv_heads, groups)).permute(0, 2, 3, 1, 4)  # (batch, kv_heads, groups, seqlen_q, d)
+    kh, vh = (t.permute(0, 2, 1, 3).unsqueeze(2) for t in (k_cache, v_cache))
+    ends = torch.tensor([length + new for length in lengths], dtype=torch.int32)
+    row_index = None if cache_batch_idx is None else torch.tensor(rows, dtype=torch.int32)
+    pad = None if cache_leftpad is None else torch.tensor(leftpad, dtype=torch.int32)
+    with torch.no_grad():
+        out, lse = ops.attention_kvcache_fwd(qh, kh, vh, ends, row_index, pad, block_table, scale,
+                                             2 if causal else 0, window_left, window_right, softcap, slopes)
+    out = out.permute(0, 3, 1, 2, 4).flatten(2, 3)  # (batch, seqlen_q, heads, d_v), as the kernels laid it out
+    return (out, lse.flatten(1, 2)) if return_softmax_lse else out

@@ -1,0 +1,180 @@
+#include "kv_cache.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace attention_ext {
+namespace {
+
+// A per-entry int32 vector argument (B,) read to the host.
+std::vector<int64_t> read_per_entry(const at::Tensor& t, const char* name, int64_t batch, const at::Tensor& q) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, "attention_ext: ", name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, "attention_ext: ", name, " must have shape (", batch,
+              ",) (one entry per batch row of the query), got ", t.sizes());
+  TORCH_CHECK(t.device().is_cpu() || t.device() == q.device(), "attention_ext: ", name, " must be on ", q.device(),
+              " (or the CPU), got ", t.device());
+  const at::Tensor host = t.to(at::kCPU, at::kLong).contiguous();
+  return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + batch);
+}
+
+int64_t element_size(ScalarType t) { return t == ScalarType::kFloat64 ? 8 : t == ScalarType::kFloat32 ? 4 : 2; }
+
+void advance(TensorRef& t, int64_t elements, int64_t element_bytes) {
+  t.data = static_cast<char*>(t.data) + elements * element_bytes;
+}
+
+}  // namespace
+
+KVCacheCall check_kv_cache_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& cache_batch_idx,
+                                  const std::optional<at::Tensor>& cache_leftpad,
+                                  const std::optional<at::Tensor>& block_table, double scale,
+                                  const LogitOptions& logit) {
+  KVCacheCall call;
+  call.logit = logit;
+  TORCH_CHECK(q.dim() >= 3, "attention_ext: query must be (batch, heads..., n, d) for a KV-cache call, got shape ",
+              q.sizes());
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k_cache, "k_cache"}, {v_cache, "v_cache"}})
+    TORCH_CHECK(t.dim() == q.dim(), "attention_ext: ", name, " must have as many dims as the query (", q.dim(),
+                "): (cache rows or blocks, heads..., length, d), got shape ", t.sizes());
+  TORCH_CHECK(k_cache.size(0) == v_cache.size(0) && k_cache.size(-2) == v_cache.size(-2),
+              "attention_ext: k_cache and v_cache must have the same rows (or blocks) and length, got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(logit.causal != 1, "attention_ext: a KV-cache call aligns causal masks and windows bottom-right ",
+              "(causal = 2); top-left causal (1) is not supported for it");
+  call.batch = q.size(0);
+  call.paged = block_table.has_value();
+  const int64_t cache_rows = k_cache.size(0), length = k_cache.size(-2);
+  TORCH_CHECK(call.batch == 0 || cache_rows > 0, "attention_ext: the KV cache has no ",
+              call.paged ? "blocks" : "rows", " (k_cache of shape ", k_cache.sizes(), ")");
+  // Per-batch ALiBi slopes: one dim more than the head dims.
+  if (logit.alibi_slopes.has_value() && logit.alibi_slopes->dim() == q.dim() - 2) {
+    const at::Tensor& slopes = *logit.alibi_slopes;
+    TORCH_CHECK(slopes.size(0) == call.batch || slopes.size(0) == 1, "attention_ext: per-batch alibi_slopes of shape ",
+                slopes.sizes(), " must have one row per batch entry (", call.batch, ")");
+    call.slopes_batch_stride = slopes.size(0) == 1 ? 0 : slopes.stride(0);
+    if (slopes.size(0) == 0)
+      call.logit.alibi_slopes.reset();
+    else
+      call.logit.alibi_slopes = slopes.select(0, 0);
+  }
+  if (call.batch > 0) {
+    call.shape = check_attention_inputs(q.select(0, 0), k_cache.select(0, 0), v_cache.select(0, 0), std::nullopt,
+                                        scale, call.logit, 0.0, std::nullopt);
+  }
+  call.seqlens = read_per_entry(cache_seqlens, "cache_seqlens", call.batch, q);
+  call.leftpad = cache_leftpad.has_value() ? read_per_entry(*cache_leftpad, "cache_leftpad", call.batch, q)
+                                           : std::vector<int64_t>(call.batch, 0);
+  call.cache_row.resize(call.batch);
+  for (int64_t b = 0; b < call.batch; ++b) call.cache_row[b] = b;
+  if (cache_batch_idx.has_value()) {
+    TORCH_CHECK(!call.paged, "attention_ext: cache_batch_idx cannot be combined with a paged cache (block_table ",
+                "already names each entry's blocks)");
+    call.cache_row = read_per_entry(*cache_batch_idx, "cache_batch_idx", call.batch, q);
+    for (int64_t b = 0; b < call.batch; ++b)
+      TORCH_CHECK(call.cache_row[b] >= 0 && call.cache_row[b] < cache_rows, "attention_ext: cache_batch_idx[", b,
+                  "] = ", call.cache_row[b], " is outside the cache's ", cache_rows, " rows");
+  } else if (!call.paged) {
+    TORCH_CHECK(call.batch <= cache_rows, "attention_ext: the query has ", call.batch, " batch entries but the cache ",
+                "only ", cache_rows, " rows (pass cache_batch_idx to pick rows)");
+  }
+  int64_t capacity = length;
+  std::vector<int64_t> table;
+  if (call.paged) {
+    const at::Tensor& bt = *block_table;
+    TORCH_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == call.batch,
+                "attention_ext: block_table must be int32 of shape (", call.batch, ", max_blocks), got ",
+                bt.scalar_type(), " of shape ", bt.sizes());
+    TORCH_CHECK(bt.device().is_cpu() || bt.device() == q.device(), "attention_ext: block_table must be on ",
+                q.device(), " (or the CPU), got ", bt.device());
+    TORCH_CHECK(length >= 1, "attention_ext: a paged cache needs blocks of at least one row, got k_cache of shape ",
+                k_cache.sizes());
+    call.block_size = length;
+    call.num_blocks = cache_rows;
+    call.block_table = bt.to(at::kCPU).contiguous();
+    capacity = bt.size(1) * length;
+    table.assign(call.block_table->data_ptr<int32_t>(), call.block_table->data_ptr<int32_t>() + bt.numel());
+  }
+  for (int64_t b = 0; b < call.batch; ++b) {
+    const int64_t end = call.seqlens[b], begin = call.leftpad[b];
+    TORCH_CHECK(end >= 0 && end <= capacity, "attention_ext: cache_seqlens[", b, "] = ", end, " (after appending ",
+                "the new keys) is outside the cache's capacity of ", capacity, " keys");
+    TORCH_CHECK(begin >= 0 && begin <= end, "attention_ext: cache_leftpad[", b, "] = ", begin,
+                " must be in [0, cache_seqlens[", b, "] = ", end, "]");
+    if (!call.paged || end == begin) continue;
+    const int64_t per_entry = block_table->size(1);
+    for (int64_t blk = begin / length; blk <= (end - 1) / length; ++blk) {
+      const int64_t id = table[b * per_entry + blk];
+      TORCH_CHECK(id >= 0 && id < call.num_blocks, "attention_ext: block_table[", b, ", ", blk, "] = ", id,
+                  " is outside the cache's ", call.num_blocks, " blocks");
+    }
+  }
+  return call;
+}
+
+std::pair<at::Tensor, at::Tensor> allocate_kv_cache_outputs(const KVCacheCall& call, const at::Tensor& q) {
+  const std::vector<int64_t>& heads = call.shape.batch;
+  const int64_t n = call.batch > 0 ? call.shape.n : q.size(-2);
+  const int64_t dv = call.batch > 0 ? call.shape.dv : q.size(-1);
+  std::vector<int64_t> rows_first{call.batch, n};
+  rows_first.insert(rows_first.end(), heads.begin(), heads.end());
+  rows_first.push_back(dv);
+  std::vector<int64_t> order{0};
+  for (size_t d = 0; d < heads.size(); ++d) order.push_back(static_cast<int64_t>(d) + 2);
+  order.push_back(1);
+  order.push_back(static_cast<int64_t>(heads.size()) + 2);
+  at::Tensor out = at::empty(rows_first, q.options()).permute(order);
+  std::vector<int64_t> lse_shape{call.batch};
+  lse_shape.insert(lse_shape.end(), heads.begin(), heads.end());
+  lse_shape.push_back(n);
+  return {out, at::empty(lse_shape, q.options().dtype(lse_dtype(q.scalar_type())))};
+}
+
+std::vector<AttentionParams> kv_cache_params(const KVCacheCall& call, const at::Tensor& q, const at::Tensor& k_cache,
+                                             const at::Tensor& v_cache, const at::Tensor& out, const at::Tensor& lse,
+                                             double scale, bool page, std::vector<at::Tensor>* scratch) {
+  std::vector<AttentionParams> calls;
+  if (call.batch == 0) return calls;
+  const std::vector<int64_t>& heads = call.shape.batch;
+  AttentionParams base = make_params(call.shape, q.select(0, 0), k_cache.select(0, 0), v_cache.select(0, 0),
+                                     std::nullopt, scale, call.logit, 0.0, std::nullopt);
+  base.out = make_ref(out.select(0, 0), heads);
+  base.lse = make_row_ref(lse.select(0, 0), heads);
+  const int64_t value_bytes = element_size(base.dtype), stat_bytes = base.dtype == ScalarType::kFloat64 ? 8 : 4;
+  for (int64_t b = 0; b < call.batch; ++b) {
+    AttentionParams p = base;
+    const int64_t begin = call.leftpad[b], end = call.seqlens[b];
+    p.m = end - begin;
+    advance(p.q, b * q.stride(0), value_bytes);
+    advance(p.out, b * out.stride(0), value_bytes);
+    advance(p.lse, b * lse.stride(0), stat_bytes);
+    if (p.alibi_slopes.data != nullptr) advance(p.alibi_slopes, b * call.slopes_batch_stride, 4);
+    if (!call.paged) {
+      advance(p.k, call.cache_row[b] * k_cache.stride(0) + begin * k_cache.stride(-2), value_bytes);
+      advance(p.v, call.cache_row[b] * v_cache.stride(0) + begin * v_cache.stride(-2), value_bytes);
+    } else if (page) {
+      p.key_blocks = call.block_table->data_ptr<int32_t>() + b * call.block_table->size(1);
+      p.block_size = call.block_size;
+      p.key_offset = begin;
+      p.k_block_stride = k_cache.stride(0);
+      p.v_block_stride = v_cache.stride(0);
+    } else if (p.m > 0) {
+      // The entry's blocks, in order, copied into one (heads..., blocks·block_size, d) tensor.
+      const int64_t first = begin / call.block_size, last = (end - 1) / call.block_size;
+      const at::Tensor ids = call.block_table->select(0, b).narrow(0, first, last - first + 1)
+                                 .to(at::kLong).to(k_cache.device());
+      const int64_t rows_dim = k_cache.dim() - 3;  // the block dim, moved next to the rows
+      for (const auto& [cache, ref] : {std::pair<const at::Tensor&, TensorRef*>{k_cache, &p.k}, {v_cache, &p.v}}) {
+        const at::Tensor keys = cache.movedim(0, rows_dim).index_select(rows_dim, ids).flatten(rows_dim, rows_dim + 1);
+        scratch->push_back(keys);
+        *ref = make_ref(keys, heads);
+        advance(*ref, (begin - first * call.block_size) * keys.stride(-2), value_bytes);
+      }
+    }
+    calls.push_back(p);
+  }
+  return calls;
+}
+
+}  // namespace attention_ext

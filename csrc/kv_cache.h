@@ -1,0 +1,55 @@
+// Attention against a key/value cache, as FlashAttention's flash_attn_with_kvcache computes it
+// (the appending of new keys and rotary embeddings happen before, in Python): batch b's query rows
+// attend to keys [leftpad_b, seqlens_b) of its cache row — cache_batch_idx[b], or b — or, for a
+// paged cache, of the blocks block_table[b] lists, in order. Causal masks, windows and ALiBi align
+// query i with key i + (seqlens_b − leftpad_b) − n, per batch entry.
+//
+// Like packed sequences (packed_sequences.h) the kernels need no notion of it: each batch entry is
+// a dense call of its own whose K/V pointers start at its cache row (and first key), or which
+// reads its keys through its row of the block table (the CPU decode kernel, n ≤ kDecodeRows).
+// A paged call the kernel cannot page (more query rows, or the CUDA kernels) copies the entry's
+// blocks into one contiguous scratch first (copy_paged_keys).
+//
+// The op's layouts put the batch (or block) dim first and the row dim second to last:
+// query (B, heads..., n, d), caches (B_cache | num_blocks, heads..., S_max | block_size, d);
+// out (B, heads..., n, d_v) viewing memory laid out (B, n, heads..., d_v); lse (B, heads..., n).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+#include "op_arguments.h"
+
+namespace attention_ext {
+
+struct KVCacheCall {
+  AttentionShape shape;  // batch = the head dims; n = query rows, m = the cache's rows (or block size)
+  int64_t batch = 0;     // B
+  std::vector<int64_t> seqlens, leftpad, cache_row;  // per batch entry, host copies
+  bool paged = false;
+  int64_t block_size = 0, num_blocks = 0;
+  std::optional<at::Tensor> block_table;  // int32 (B, max_blocks), contiguous
+  // ALiBi slopes with a leading per-batch dim: the elements between two entries' slopes (else 0).
+  int64_t slopes_batch_stride = 0;
+  LogitOptions logit;
+};
+
+// Checks every argument (shapes, dtypes, devices; seqlens within the cache, leftpad within
+// seqlens, cache rows and block ids within the cache) and reads the per-entry values to the host.
+KVCacheCall check_kv_cache_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& cache_batch_idx,
+                                  const std::optional<at::Tensor>& cache_leftpad,
+                                  const std::optional<at::Tensor>& block_table, double scale,
+                                  const LogitOptions& logit);
+
+std::pair<at::Tensor, at::Tensor> allocate_kv_cache_outputs(const KVCacheCall& call, const at::Tensor& q);
+
+// One dense call per batch entry. With `page` the paged entries read their keys through the block
+// table (the CPU decode kernel's paging; their n must be at most kDecodeRows); otherwise they get a
+// contiguous copy of their blocks, kept alive in *scratch while the calls run.
+std::vector<AttentionParams> kv_cache_params(const KVCacheCall& call, const at::Tensor& q, const at::Tensor& k_cache,
+                                             const at::Tensor& v_cache, const at::Tensor& out, const at::Tensor& lse,
+                                             double scale, bool page, std::vector<at::Tensor>* scratch);
+
+}  // namespace attention_ext
