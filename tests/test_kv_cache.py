@@ -1,0 +1,348 @@
+"""flash_attn_with_kvcache: inference against a key/value cache, contiguous or paged.
+
+The reference keeps its own copy of the cache as plain (batch, length, kv_heads, d) tensors,
+appends the new keys there itself, rotates with complex multiplication (an independent form of the
+rotary formula) and runs each batch entry through the float64 reference. The cache the call wrote
+in place must equal the reference's copy, and every slot outside the written positions must be
+bitwise untouched. On the CUDA emulation build the same tests run the CUDA kernels.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import attention_ext
+from attention_ext import flash_attn_with_kvcache
+from attention_ext.reference import attention_reference
+
+from conftest import CUDA_KERNELS_DEVICE, FLOAT_DTYPES, assert_close_to_reference
+
+ops = torch.ops.attention_ext
+
+
+def rotary_tables(positions, rotary_dim, dtype=torch.float32):
+    inv = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angles = torch.arange(positions, dtype=torch.float64).unsqueeze(-1) * inv
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_reference(x, cos, sin, positions, interleaved):
+    """x (rows, heads, d) float64 rotated at positions (rows,) by complex multiplication."""
+    half = cos.shape[1]
+    part = x[..., :2 * half]
+    if interleaved:
+        pairs = part.reshape(*part.shape[:-1], half, 2)
+    else:
+        pairs = torch.stack((part[..., :half], part[..., half:]), dim=-1)
+    z = torch.view_as_complex(pairs.contiguous())
+    w = torch.complex(cos[positions].double(), sin[positions].double())
+    r = torch.view_as_real(z * w.unsqueeze(1))
+    rotated = r.flatten(-2) if interleaved else torch.cat((r[..., 0], r[..., 1]), dim=-1)
+    return torch.cat((rotated, x[..., 2 * half:]), dim=-1)
+
+
+class Cache:
+    """A (batch, length, kv_heads, d) cache, and the same content paged into shuffled blocks."""
+
+    def __init__(self, rows, length, kv_heads, d, dtype, block_size=None, generator=None):
+        self.k = torch.randn(rows, length, kv_heads, d, generator=generator, dtype=torch.float64).to(dtype)
+        self.v = torch.randn(rows, length, kv_heads, d, generator=generator, dtype=torch.float64).to(dtype)
+        self.block_size = block_size
+        if block_size is not None:
+            per_row = -(-length // block_size)
+            blocks = rows * per_row + 3  # spare blocks no entry uses
+            self.table = torch.randperm(blocks, generator=generator)[:rows * per_row].view(rows, per_row).to(torch.int32)
+            self.k_paged = torch.randn(blocks, block_size, kv_heads, d, generator=generator).to(dtype)
+            self.v_paged = torch.randn(blocks, block_size, kv_heads, d, generator=generator).to(dtype)
+            for r in range(rows):
+                for i in range(per_row):
+                    span = slice(i * block_size, min(length, (i + 1) * block_size))
+                    self.k_paged[self.table[r, i], :span.stop - span.start] = self.k[r, span]
+                    self.v_paged[self.table[r, i], :span.stop - span.start] = self.v[r, span]
+
+    def tensors(self):
+        if self.block_size is None:
+            return self.k, self.v, {}
+        return self.k_paged, self.v_paged, {"block_table": self.table}
+
+    def logical(self, which):
+        """The cache as (rows, length, kv_heads, d), read back from whatever the call wrote."""
+        if self.block_size is None:
+            return self.k if which == "k" else self.v
+        paged = self.k_paged if which == "k" else self.v_paged
+        rows, per_row = self.table.shape
+        return paged[self.table.long()].reshape(rows, per_row * self.block_size, *paged.shape[2:])[:, :self.k.shape[1]]
+
+
+def reference_call(q, cache_k, cache_v, k_new, v_new, lengths, rows, leftpad, causal=False, window=(-1, -1),
+                   softcap=0.0, alibi_slopes=None, rotary=None, interleaved=True):
+    """The reference: append into float64 copies, rotate, attend per batch entry."""
+    dtype = q.dtype
+    cache_k, cache_v = cache_k.double().clone(), cache_v.double().clone()
+    q = q.double()
+    outs, lses = [], []
+    new = 0 if k_new is None else k_new.shape[1]
+    local = causal or tuple(window) != (-1, -1)
+    for b in range(q.shape[0]):
+        row, start, pad = rows[b], lengths[b], leftpad[b]
+        qb = q[b]
+        if k_new is not None:
+            kb = k_new[b].double()
+            if rotary is not None:
+                cos, sin = rotary
+                # rotated values are stored in the inputs' dtype, as the call stores them
+                kb = rotate_reference(kb, cos, sin, torch.arange(new) + start - pad, interleaved)
+                kb = kb.to(k_new.dtype).double()
+                q_pos = torch.arange(q.shape[1]) + start - pad if local else torch.full((q.shape[1],), start - pad)
+                qb = rotate_reference(qb, cos, sin, q_pos, interleaved).to(dtype).double()
+            cache_k[row, start:start + new] = kb
+            cache_v[row, start:start + new] = v_new[b].double()
+        keys = cache_k[row, pad:start + new].transpose(0, 1)
+        values = cache_v[row, pad:start + new].transpose(0, 1)
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        w = (window[0], 0) if causal else window
+        o, lse, _ = attention_reference(qb.transpose(0, 1), keys, values, enable_gqa=True,
+                                        window=tuple(None if x == -1 else x for x in w), softcap=softcap,
+                                        alibi_slopes=slopes)
+        outs.append(o.transpose(0, 1))
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses), cache_k, cache_v
+
+
+CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "window": dict(causal=True, window=(6, -1)),
+    "window_both": dict(window=(5, 2)),
+    "softcap_alibi": dict(causal=True, softcap=20.0, alibi="per_head"),
+    "alibi_per_entry": dict(alibi="per_entry"),
+    "rotary": dict(causal=True, rotary=True),
+    "rotary_halves_noncausal": dict(rotary=True, interleaved=False),
+}
+
+
+def run_case(dtype, case, seqlen_q, new, block_size, kv_heads=2, heads=4, d=32, batch_idx=False, leftpad=False,
+             device="cpu", generator_seed=0):
+    g = torch.Generator().manual_seed(generator_seed)
+    kwargs = dict(CASES[case])
+    rotary = kwargs.pop("rotary", False)
+    interleaved = kwargs.pop("interleaved", True)
+    alibi = kwargs.pop("alibi", None)
+    batch, rows, length = 3, 4, 50
+    cache = Cache(rows, length, kv_heads, d, dtype, block_size, g)
+    q = torch.randn(3, seqlen_q, heads, d, generator=g, dtype=torch.float64).to(dtype)
+    k_new = v_new = None
+    if new:
+        k_new = torch.randn(batch, new, kv_heads, d, generator=g, dtype=torch.float64).to(dtype)
+        v_new = torch.randn(batch, new, kv_heads, d, generator=g, dtype=torch.float64).to(dtype)
+    lengths = [7, 0, length - new]
+    row_ids = [2, 0, 3] if batch_idx and block_size is None else list(range(batch))
+    pads = [3, 0, 10] if leftpad else [0, 0, 0]
+    if alibi == "per_head":
+        kwargs["alibi_slopes"] = torch.rand(heads, generator=g) * 0.3
+    elif alibi == "per_entry":
+        kwargs["alibi_slopes"] = torch.rand(batch, heads, generator=g) * 0.3
+    tables = rotary_tables(length + 8, 16) if rotary else None
+    want, want_lse, want_k, want_v = reference_call(q, cache.k, cache.v, k_new, v_new, lengths, row_ids, pads,
+                                                    rotary=tables, interleaved=interleaved, **kwargs)
+    k_cache, v_cache, extra = cache.tensors()
+    before = (k_cache.clone(), v_cache.clone())
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    extra = {key: on(t[:batch]) for key, t in extra.items()}  # the block table's first rows: entries 0..2
+    if batch_idx and block_size is None:
+        extra["cache_batch_idx"] = torch.tensor(row_ids, dtype=torch.int32, device=device)
+    if leftpad:
+        extra["cache_leftpad"] = torch.tensor(pads, dtype=torch.int32, device=device)
+    if rotary:
+        extra.update(rotary_cos=on(tables[0]), rotary_sin=on(tables[1]), rotary_interleaved=interleaved)
+    if "alibi_slopes" in kwargs:
+        kwargs["alibi_slopes"] = on(kwargs["alibi_slopes"])
+    k_dev, v_dev = on(k_cache), on(v_cache)
+    call_kwargs = {("window_size" if key == "window" else key): value for key, value in kwargs.items()}
+    out, lse = flash_attn_with_kvcache(on(q), k_dev, v_dev, on(k_new), on(v_new),
+                                       cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=device),
+                                       return_softmax_lse=True, **extra, **call_kwargs)
+    cache.k_paged, cache.v_paged = (k_dev.cpu(), v_dev.cpu()) if block_size is not None else (None, None)
+    if block_size is None:
+        cache.k, cache.v = k_dev.cpu(), v_dev.cpu()
+    return dict(out=out.cpu(), lse=lse.cpu(), want=want, want_lse=want_lse, want_k=want_k, want_v=want_v,
+                cache=cache, before=before, written=[(row_ids[b], lengths[b], new) for b in range(batch)])
+
+
+CACHE_TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def check(result, dtype):
+    out, want = result["out"], result["want"]
+    assert out.shape == want.shape and out.is_contiguous()
+    assert_close_to_reference(out, want, dtype)
+    hidden = torch.isneginf(result["want_lse"])
+    assert torch.equal(torch.isneginf(result["lse"]), hidden)
+    torch.testing.assert_close(result["lse"][~hidden].double(), result["want_lse"][~hidden], rtol=1e-4, atol=1e-4)
+    cache = result["cache"]
+    untouched = torch.ones(cache.k.shape[:2], dtype=torch.bool)
+    for row, start, new in result["written"]:
+        untouched[row, start:start + new] = False
+    for index, (which, want_cache) in enumerate((("k", result["want_k"]), ("v", result["want_v"]))):
+        got = cache.logical(which)
+        # the new rows as the reference wrote them (rotated in float64; the call rotates in float32)
+        torch.testing.assert_close(got.double(), want_cache, rtol=0, atol=CACHE_TOL[dtype] * 4)
+        if cache.block_size is None:  # every other slot bitwise as it was
+            assert torch.equal(got[untouched], result["before"][index][untouched])
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("block_size", [None, 16, 5], ids=["contiguous", "paged16", "paged5"])
+@pytest.mark.parametrize("seqlen_q,new", [(1, 1), (4, 4), (3, 0), (12, 12)], ids=["decode", "speculative",
+                                                                              "no_append", "prefill"])
+def test_matches_the_reference_and_writes_only_the_new_rows(dtype, case, block_size, seqlen_q, new):
+    if CASES[case].get("rotary") and new == 0:  # FlashAttention's rule: rotary tables rotate new keys
+        with pytest.raises(ValueError, match="only with new k / v"):
+            run_case(dtype, case, seqlen_q, new, block_size)
+        return
+    result = run_case(dtype, case, seqlen_q, new, block_size)
+    check(result, dtype)
+
+
+@pytest.mark.parametrize("block_size", [None, 7], ids=["contiguous", "paged7"])
+def test_cache_batch_idx_leftpad_and_gqa_ratios(block_size):
+    for kv_heads, heads in ((1, 4), (2, 6), (3, 3)):
+        result = run_case(torch.float32, "rotary", 2, 2, block_size, kv_heads=kv_heads, heads=heads, batch_idx=True,
+                          leftpad=True)
+        check(result, torch.float32)
+
+
+def test_paged_slots_outside_the_written_positions_are_bitwise_untouched():
+    result = run_case(torch.float32, "causal", 1, 1, 16)
+    cache, (k_before, _) = result["cache"], result["before"]
+    written = set()
+    for b, (row, start, new) in enumerate(result["written"]):
+        for pos in range(start, start + new):
+            written.add((int(cache.table[b, pos // 16]), pos % 16))
+    for block in range(k_before.shape[0]):
+        for slot in range(16):
+            if (block, slot) not in written:
+                assert torch.equal(cache.k_paged[block, slot], k_before[block, slot])
+
+
+def test_a_generate_loop_appending_one_token_at_a_time_equals_full_attention():
+    """64 steps of one new token each, into a paged cache of block size 3: every step's output
+    equals causal attention over the whole prefix computed at once."""
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, steps, block = 4, 2, 16, 64, 3
+    ks = torch.randn(2, steps, kv_heads, d, generator=g)
+    vs = torch.randn(2, steps, kv_heads, d, generator=g)
+    qs = torch.randn(2, steps, heads, d, generator=g)
+    per_row = -(-steps // block)
+    table = torch.randperm(2 * per_row, generator=g).view(2, per_row).to(torch.int32)
+    k_cache = torch.zeros(2 * per_row, block, kv_heads, d)
+    v_cache = torch.zeros_like(k_cache)
+    full = attention_ext.flash_attn_func(qs, ks, vs, causal=True)
+    for t in range(steps):
+        out = flash_attn_with_kvcache(qs[:, t:t + 1], k_cache, v_cache, ks[:, t:t + 1], vs[:, t:t + 1],
+                                      cache_seqlens=t, block_table=table, causal=True)
+        torch.testing.assert_close(out[:, 0], full[:, t], rtol=2e-5, atol=2e-5)
+
+
+BAD = [
+    (dict(cache_seqlens=48, new=4), ValueError, "overflows the cache's 50 positions"),
+    (dict(cache_seqlens=torch.tensor([1, 2, 3])), TypeError, "cache_seqlens must be an int32 tensor of shape"),
+    (dict(cache_batch_idx=torch.tensor([0, 1, 9], dtype=torch.int32)), IndexError, "outside the cache's 4 rows"),
+    (dict(cache_leftpad=torch.tensor([0, 5, 0], dtype=torch.int32)), ValueError, r"cache_leftpad\[1\] = 5"),
+    (dict(k_only=True), ValueError, "k and v must be given together"),
+    (dict(rotary_without_new=True), ValueError, "only with new k / v"),
+    (dict(requires_grad=True), RuntimeError, "inference function"),
+    (dict(dtype_mismatch=True), TypeError, "must have q's dtype"),
+    (dict(window_size=(-3, 0)), ValueError, "window_size values"),
+    (dict(bad_block=True), IndexError, "block outside the cache"),
+]
+
+
+@pytest.mark.parametrize("bad,error,message", BAD, ids=[b[2][:28] for b in BAD])
+def test_bad_arguments_raise_before_anything_is_written(bad, error, message):
+    cache = Cache(4, 50, 2, 8, torch.float32, 10 if bad.get("bad_block") else None, torch.Generator().manual_seed(0))
+    k_cache, v_cache, extra = cache.tensors()
+    before = k_cache.clone()
+    q = torch.randn(3, 1, 4, 8)
+    new = bad.get("new", 1)
+    k_new, v_new = torch.randn(3, new, 2, 8), torch.randn(3, new, 2, 8)
+    kwargs = {key: bad[key] for key in ("cache_batch_idx", "cache_leftpad", "window_size") if key in bad}
+    kwargs["cache_seqlens"] = bad.get("cache_seqlens", torch.tensor([1, 2, 3], dtype=torch.int32))
+    if bad.get("k_only"):
+        v_new = None
+    if bad.get("rotary_without_new"):
+        k_new = v_new = None
+        kwargs.update(rotary_cos=torch.ones(60, 4), rotary_sin=torch.zeros(60, 4))
+    if bad.get("requires_grad"):
+        q.requires_grad_()
+    if bad.get("dtype_mismatch"):
+        k_new = k_new.double()
+    if bad.get("bad_block"):
+        extra["block_table"] = extra["block_table"][:3].clone()
+        extra["block_table"][2, 0] = 99
+    with pytest.raises(error, match=message):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **extra, **kwargs)
+    assert torch.equal(k_cache, before)
+
+
+def test_bad_direct_op_calls_never_crash():
+    """The op checks lengths, rows and block ids against the cache itself: in a subprocess that
+    must survive, every bad call raises."""
+    code = r"""
+import torch, attention_ext
+ops = torch.ops.attention_ext
+q = torch.randn(2, 2, 1, 8); kc = torch.randn(3, 2, 20, 8); pages = torch.randn(6, 2, 4, 8)
+i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
+calls = [
+    (q, kc, kc, i32(5, 21), None, None, None),
+    (q, kc, kc, i32(5, 5), i32(0, 3), None, None),
+    (q, kc, kc, i32(5, 5), None, i32(6, 0), None),
+    (q, pages, pages, i32(5, 9), None, None, i32([0, 1, 2], [3, 4, 60])),
+    (q, pages, pages, i32(5, 13), None, None, i32([0, 1, 2], [3, 4, 5])),
+    (q, kc, kc, i32(5), None, None, None),
+]
+for args in calls:
+    try:
+        ops.attention_kvcache_fwd(*args, 0.5, 0, -1, -1, 0.0, None)
+    except RuntimeError as e:
+        assert "attention_ext" in str(e), e
+    else:
+        raise SystemExit("accepted call " + str(calls.index(args)))
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ))
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr[-2000:]
+
+
+def test_opcheck_and_signature():
+    import inspect
+
+    params = inspect.signature(flash_attn_with_kvcache).parameters
+    assert list(params) == ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+                            "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal",
+                            "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits",
+                            "return_softmax_lse"]
+    assert attention_ext.flash_attn_with_kvcache is attention_ext.flash.flash_attn_with_kvcache
+    q = torch.randn(2, 2, 2, 3, 8)
+    kc = torch.randn(3, 2, 1, 20, 8)
+    pages = torch.randn(6, 2, 1, 4, 8)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    torch.library.opcheck(ops.attention_kvcache_fwd, (q, kc, kc, i32(5, 9), i32(2, 0), i32(1, 0), None, 0.4, 2, 3,
+                                                      -1, 5.0, torch.rand(2, 2, 1)))
+    torch.library.opcheck(ops.attention_kvcache_fwd, (q, pages, pages, i32(5, 9), None, None,
+                                                      i32([0, 1, 2], [3, 4, 5]), 0.4, 0, -1, -1, 0.0, None))
+
+
+@pytest.mark.cuda_kernels
+@pytest.mark.skipif(CUDA_KERNELS_DEVICE is None, reason="needs a CUDA device or the CUDA emulation build")
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
+def test_cuda_kernels(dtype, block_size):
+    result = run_case(dtype, "rotary", 4, 4, block_size, d=64, device=CUDA_KERNELS_DEVICE, leftpad=True)
+    check(result, dtype)
