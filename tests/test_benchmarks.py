@@ -103,3 +103,20 @@ def test_varlen_benchmark_times_every_candidate_in_both_modes(tmp_path):
                                                                      for c in candidates]
     assert all(r["ms"] > 0 for r in result["rows"])
     assert "| ours packed | fwd |" in (tmp_path / "varlen.md").read_text()
+
+
+@pytest.mark.slow_on_emulation
+def test_kvcache_benchmark_times_every_layout_and_the_append(tmp_path):
+    prefix = tmp_path / "kv"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kvcache.py"), "--lengths", "512",
+                           "--batches", "1x2", "--rows", "1", "--dtypes", "float32", "--reps", "1", "--warmup", "0",
+                           "--out", str(prefix)],
+                          capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "kv.json").read_text())
+    (row,) = result["rows"]
+    assert set(row["results"]) == {"ours contiguous", "ours paged 16", "ours paged 256", "torch sliced",
+                                   "torch gathered"}
+    assert row["kv_bytes"] == 2 * 2 * 512 * 64 * 4 and all(r["gbps"] > 0 for r in row["results"].values())
+    assert set(result["append_rows"][0]["ms"]) == {"attend", "append + attend", "write only"}
+    assert "% of bandwidth" in (tmp_path / "kv.md").read_text()

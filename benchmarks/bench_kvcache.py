@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""Decode against a KV cache: flash_attn_with_kvcache at the memory-bandwidth limit.
+
+Run as `python benchmarks/bench_kvcache.py [--lengths 2048,8192,32768] [--dtypes float32,bfloat16]`
+from a checkout with an in-place build (or anywhere with an installed attention_ext). Decode is
+bound by reading K and V once, so every row reports GB/s of K/V read per call against the
+machine's streaming read bandwidth measured in the same run (a sum over a 512 MiB tensor, larger
+than the caches). Per (dtype, cached tokens, batch·kv_heads, query rows) it times, interleaved:
+  * ours contiguous: flash_attn_with_kvcache on a (batch, tokens, kv_heads, d) cache;
+  * ours paged 16 / paged 256: the same keys in shuffled blocks of 16 / 256 rows through a block table;
+  * torch sliced: torch's scaled_dot_product_attention over the cache's filled rows (a view,
+    enable_gqa), what a torch decode step does;
+  * torch gathered: torch's SDPA after gathering the paged blocks (what a paged cache costs torch).
+Append rows time one call that also writes one new token per entry into the cache (in place)
+against the call without it, beside the bare write (index_put_) of those rows. The % of bandwidth
+can pass 100 % when a working set fits the CPU's last-level cache; the table gives each set's size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402  (its machine measurements and naming)
+from bench_window import time_interleaved  # noqa: E402
+
+import attention_ext  # noqa: E402
+from attention_ext import flash_attn_with_kvcache  # noqa: E402
+
+HEADS_PER_KV = 4
+D = 64
+
+
+def make_cache(batch, kv_heads, tokens, dtype, block_size, g):
+    k = torch.randn(batch, tokens, kv_heads, D, generator=g).to(dtype)
+    v = torch.randn(batch, tokens, kv_heads, D, generator=g).to(dtype)
+    if block_size is None:
+        return k, v, None
+    per_entry = tokens // block_size
+    table = torch.randperm(batch * per_entry, generator=g).view(batch, per_entry).to(torch.int32)
+    kp = torch.empty(batch * per_entry, block_size, kv_heads, D, dtype=dtype)
+    vp = torch.empty_like(kp)
+    kp[table.long()] = k.view(batch, per_entry, block_size, kv_heads, D)
+    vp[table.long()] = v.view(batch, per_entry, block_size, kv_heads, D)
+    return kp, vp, table
+
+
+def run_config(dtype, tokens, batch, kv_heads, rows, reps, warmup):
+    g = torch.Generator().manual_seed(0)
+    heads = kv_heads * HEADS_PER_KV
+    q = torch.randn(batch, rows, heads, D, generator=g).to(dtype)
+    lengths = torch.full((batch,), tokens, dtype=torch.int32)
+    caches = {name: make_cache(batch, kv_heads, tokens, dtype, bs, g)
+              for name, bs in (("contiguous", None), ("paged 16", 16), ("paged 256", 256))}
+    k, v, _ = caches["contiguous"]
+    kp, vp, table = caches["paged 16"]
+    qt = q.transpose(1, 2)
+    steps = {}
+    for name, (kc, vc, bt) in caches.items():
+        steps["ours " + name] = (lambda kc=kc, vc=vc, bt=bt: flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=lengths, block_table=bt, causal=True))
+    steps["torch sliced"] = lambda: F.scaled_dot_product_attention(
+        qt, k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+    steps["torch gathered"] = lambda: F.scaled_dot_product_attention(
+        qt, kp[table.long()].flatten(1, 2).transpose(1, 2), vp[table.long()].flatten(1, 2).transpose(1, 2),
+        enable_gqa=True)
+
+    def no_grad(fn):
+        def step():
+            with torch.no_grad():
+                fn()
+        return step
+
+    med = time_interleaved({name: no_grad(fn) for name, fn in steps.items()}, reps, warmup)
+    # torch gets no causal rule (its is_causal is top-left, not the cache's bottom-right): it reads
+    # every cached key, as ours does (bottom-right causal hides only the last rows' few newest keys).
+    kv_bytes = 2 * batch * kv_heads * tokens * D * torch.tensor([], dtype=dtype).element_size()
+    return {name: {"ms": t * 1e3, "gbps": kv_bytes / t / 1e9} for name, t in med.items()}, kv_bytes
+
+
+def run_append(dtype, tokens, batch, kv_heads, reps, warmup):
+    g = torch.Generator().manual_seed(1)
+    heads = kv_heads * HEADS_PER_KV
+    q = torch.randn(batch, 1, heads, D, generator=g).to(dtype)
+    k_new = torch.randn(batch, 1, kv_heads, D, generator=g).to(dtype)
+    v_new = torch.randn(batch, 1, kv_heads, D, generator=g).to(dtype)
+    k, v, _ = make_cache(batch, kv_heads, tokens + 1, dtype, None, g)
+    lengths = torch.full((batch,), tokens, dtype=torch.int32)
+    rows = torch.arange(batch).unsqueeze(-1)
+    positions = torch.full((batch, 1), tokens)
+
+    def write():
+        k.index_put_((rows, positions), k_new)
+        v.index_put_((rows, positions), v_new)
+
+    steps = {"attend": lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths + 1, causal=True),
+             "append + attend": lambda: flash_attn_with_kvcache(q, k, v, k_new, v_new, cache_seqlens=lengths,
+                                                                causal=True),
+             "write only": write}
+    med = time_interleaved(steps, reps, warmup)
+    return {name: t * 1e3 for name, t in med.items()}
+
+
+def render(meta, rows, append_rows):
+    bw = meta["bandwidth_gbps"]
+    lines = [f"# Decode against a KV cache, {meta['cpu']}", "",
+             f"torch {meta['torch']}, {meta['threads']} threads, kernel variant {meta['variant']}; measured streaming "
+             f"read bandwidth {bw:.1f} GB/s (same run: {meta['bandwidth_start_end'][0]:.1f} before the timings, "
+             f"{meta['bandwidth_start_end'][1]:.1f} after; the larger is used). Heads = {HEADS_PER_KV} x kv_heads "
+             f"(GQA), head dim {D}, causal. GB/s = K and V bytes read per call / time.", "",
+             f"Command: `{meta['command']}`", "",
+             "| dtype | tokens | batch x kv_heads | q rows | K/V MiB | candidate | ms | GB/s | % of bandwidth | "
+             "time / ours contiguous |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = r["results"]["ours contiguous"]["ms"]
+        for name, res in r["results"].items():
+            lines.append(f"| {r['dtype']} | {r['tokens']} | {r['batch']} x {r['kv_heads']} | {r['rows']} | "
+                         f"{r['kv_bytes'] / 2**20:.0f} | {name} | {res['ms']:.3f} | {res['gbps']:.1f} | "
+                         f"{100 * res['gbps'] / bw:.0f}% | {res['ms'] / base:.2f} |")
+    if append_rows:
+        lines += ["", "## Appending one token per entry, in place", "",
+                  "| dtype | tokens | batch x kv_heads | attend ms | append + attend ms | extra ms | write only ms |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in append_rows:
+            t = r["ms"]
+            lines.append(f"| {r['dtype']} | {r['tokens']} | {r['batch']} x {r['kv_heads']} | {t['attend']:.3f} | "
+                         f"{t['append + attend']:.3f} | {t['append + attend'] - t['attend']:.3f} | "
+                         f"{t['write only']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="2048,8192,32768")
+    ap.add_argument("--batches", default="1x8,8x8", help="comma list of BATCHxKV_HEADS")
+    ap.add_argument("--rows", default="1,4", help="query rows per entry (speculative decoding: several)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
+    a = ap.parse_args(argv)
+    bw_start = bench.measure_bandwidth()["gbps"]
+    meta = {"cpu": bench.cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "variant": attention_ext.cpu_variant(),
+            "command": "python benchmarks/bench_kvcache.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    print(f"{meta['cpu']}: streaming read {bw_start:.1f} GB/s on {meta['threads']} threads", flush=True)
+    rows, append_rows = [], []
+    for dtype_name in a.dtypes.split(","):
+        dtype = bench.DTYPES[dtype_name]
+        for tokens in (int(t) for t in a.lengths.split(",")):
+            for spec in a.batches.split(","):
+                batch, kv_heads = (int(x) for x in spec.split("x"))
+                for nrows in (int(r) for r in a.rows.split(",")):
+                    results, kv_bytes = run_config(dtype, tokens, batch, kv_heads, nrows, a.reps, a.warmup)
+                    rows.append({"dtype": dtype_name, "tokens": tokens, "batch": batch, "kv_heads": kv_heads,
+                                 "rows": nrows, "kv_bytes": kv_bytes, "results": results})
+                    print(f"{dtype_name} {tokens:6d} {batch}x{kv_heads} rows {nrows}: " + ", ".join(
+                        f"{name} {res['gbps']:.1f} GB/s" for name, res in results.items()), flush=True)
+                append_rows.append({"dtype": dtype_name, "tokens": tokens, "batch": batch, "kv_heads": kv_heads,
+                                    "ms": run_append(dtype, tokens, batch, kv_heads, a.reps, a.warmup)})
+    bw_end = bench.measure_bandwidth()["gbps"]
+    meta["bandwidth_start_end"] = [bw_start, bw_end]
+    meta["bandwidth_gbps"] = max(bw_start, bw_end)
+    text = render(meta, rows, append_rows)
+    print(text)
+    if a.out:
+        with open(a.out + ".md", "w") as f:
+            f.write(text)
+        with open(a.out + ".json", "w") as f:
+            json.dump({"meta": meta, "rows": rows, "append_rows": append_rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
