@@ -213,13 +213,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 or tuple(slopes.shape) not in ((heads,), (batch, heads)):
             _fail(TypeError, f"alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads})")
         slopes = slopes.unflatten(-1, (kv_heads, groups))
-    qh = q.unflatten(2, (kv_heads, groups)).permute(0, 2, 3, 1, 4)  # (batch, kv_heads, groups, seqlen_q, d)
-    kh, vh = (t.permute(0, 2, 1, 3).unsqueeze(2) for t in (k_cache, v_cache))
+    # One query row per entry (decode) with nothing that depends on the row's position (no window,
+    # no ALiBi; causal is then no rule at all): the groups of query heads sharing a KV head become
+    # rows of one call, so each K/V row is read once for all of them instead of once per head.
+    # (A right bound never hides a key from the last position's row.)
+    fold = seqlen_q == 1 and window_left < 0 and slopes is None and groups > 1
+    if fold:
+        qh = q.view(batch, kv_heads, groups, q.shape[-1])  # (batch, kv_heads, groups as rows, d)
+        kh, vh = (t.permute(0, 2, 1, 3) for t in (k_cache, v_cache))
+    else:
+        qh = q.unflatten(2, (kv_heads, groups)).permute(0, 2, 3, 1, 4)  # (batch, kv_heads, groups, seqlen_q, d)
+        kh, vh = (t.permute(0, 2, 1, 3).unsqueeze(2) for t in (k_cache, v_cache))
     ends = torch.tensor([length + new for length in lengths], dtype=torch.int32)
     row_index = None if cache_batch_idx is None else torch.tensor(rows, dtype=torch.int32)
     pad = None if cache_leftpad is None else torch.tensor(leftpad, dtype=torch.int32)
     with torch.no_grad():
         out, lse = ops.attention_kvcache_fwd(qh, kh, vh, ends, row_index, pad, block_table, scale,
-                                             2 if causal else 0, window_left, window_right, softcap, slopes)
+                                             0 if fold else 2 if causal else 0, -1 if fold else window_left,
+                                             -1 if fold else window_right, softcap, slopes)
+    if fold:  # (batch, kv_heads, groups, d_v) -> (batch, 1, heads, d_v): a copy of one row per head
+        out = out.reshape(batch, 1, heads, out.shape[-1])
+        return (out, lse.reshape(batch, heads, 1)) if return_softmax_lse else out
     out = out.permute(0, 3, 1, 2, 4).flatten(2, 3)  # (batch, seqlen_q, heads, d_v), as the kernels laid it out
     return (out, lse.flatten(1, 2)) if return_softmax_lse else out
