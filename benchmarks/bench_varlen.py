@@ -60,8 +60,10 @@ def steps_for(mode, packed, padded, mask, lengths):
             q, k, v, cu, cu, longest, longest, causal=True).unsqueeze(0)),
         "ours padded": ((pq, pk, pv), pgo, lambda: attention_ext.attention(pq, pk, pv, attn_mask=mask)),
         "torch padded": ((pq, pk, pv), pgo, lambda: F.scaled_dot_product_attention(pq, pk, pv, attn_mask=mask)),
+        # (1, heads, n, d) views: torch's CPU flash kernel takes 4-D inputs only (3-D ones go to
+        # its math fallback, several times slower).
         "torch loop": ((q, k, v), go.unsqueeze(0), lambda: torch.cat([F.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True).transpose(0, 1)
+            *(t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)), is_causal=True)[0].transpose(0, 1)
             for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]).unsqueeze(0)),
     }
     steps = {}
