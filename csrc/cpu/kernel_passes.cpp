@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <initializer_list>
 #include <string>
@@ -57,10 +58,20 @@ void run_pass(ItemFn fn, const Calls& calls, ItemsOf items_of) {
       begin = std::max(begin, stop);
     }
   };
-  if (work < kSerialWork)
+  if (work < kSerialWork) {
     body(0, items);
-  else
-    at::parallel_for(0, items, 1, body);
+    return;
+  }
+  // Dynamic chunks, not a static split: item costs differ (causal tiles grow along the rows,
+  // packed sequences differ in length), and an even split of the range left one thread with most
+  // of the work. Items are independent, so any order gives bitwise the same results.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = std::max<int64_t>(1, items / (threads * 16));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t begin = next.fetch_add(chunk); begin < items; begin = next.fetch_add(chunk))
+      body(begin, std::min(items, begin + chunk));
+  });
 }
 
 Calls all_of(const std::vector<AttentionParams>& calls) {
