@@ -90,13 +90,15 @@ def _check_tensors(q, k_cache, v_cache, k, v, paged):
     for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            _fail(ValueError, f"{name} must be a 4-D tensor ({'(num_blocks, block_size' if paged and name != 'q' else '(batch, seqlen'}, heads, head_dim)), got {got}")
+            layout = "(num_blocks, block_size" if paged and name != "q" else "(batch, seqlen"
+            _fail(ValueError, f"{name} must be a 4-D tensor {layout}, heads, head_dim), got {got}")
     if (k is None) != (v is None):
         _fail(ValueError, "k and v must be given together (the new keys and values to append)")
     tensors = [(q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")] + ([(k, "k"), (v, "v")] if k is not None else [])
     for t, name in tensors:
         if t.dtype != q.dtype or t.device != q.device:
-            _fail(TypeError, f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
+            _fail(TypeError, f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, "
+                             f"{t.device}")
         if t.requires_grad and torch.is_grad_enabled():
             _fail(RuntimeError, f"{name} requires grad: this is an inference function (no backward); call it under "
                                 "torch.no_grad() or pass detached tensors")
@@ -107,7 +109,8 @@ def _check_tensors(q, k_cache, v_cache, k, v, paged):
                           f"three dims, and k_cache q's head dim {q.shape[-1]}")
     heads, kv_heads = q.shape[2], k_cache.shape[2]
     if kv_heads == 0 or heads % kv_heads:
-        _fail(ValueError, f"the number of heads in q ({heads}) must be a multiple of the number in the cache ({kv_heads})")
+        _fail(ValueError, f"the number of heads in q ({heads}) must be a multiple of the number in the cache "
+                          f"({kv_heads})")
     if k is not None:
         want_k = (q.shape[0], k.shape[1], kv_heads, k_cache.shape[-1])
         want_v = (q.shape[0], k.shape[1], kv_heads, v_cache.shape[-1])
@@ -152,7 +155,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 or block_table.shape[0] != batch:
             _fail(TypeError, f"block_table must be an int32 tensor of shape ({batch}, max_blocks)")
         if cache_batch_idx is not None:
-            _fail(ValueError, "cache_batch_idx cannot be combined with block_table (the table names each entry's blocks)")
+            _fail(ValueError, "cache_batch_idx cannot be combined with block_table (the table names each "
+                              "entry's blocks)")
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         capacity = k_cache.shape[1]
@@ -184,7 +188,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                               f"head_dim ({q.shape[-1]}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
         start = torch.tensor([lengths[b] - leftpad[b] for b in range(batch)], device=device).unsqueeze(-1)
         k_positions = start + torch.arange(new, device=device)
-        q_positions = start + (torch.arange(seqlen_q, device=device) if causal or (window_left, window_right) != (-1, -1)
+        local = causal or (window_left, window_right) != (-1, -1)
+        q_positions = start + (torch.arange(seqlen_q, device=device) if local
                                else torch.zeros(seqlen_q, dtype=torch.int64, device=device))
         last = max([int(k_positions.max()) if new else -1] + [int(q_positions.max()) if seqlen_q else -1])
         if last >= rotary_cos.shape[0]:

@@ -18,7 +18,6 @@ can pass 100 % when a working set fits the CPU's last-level cache; the table giv
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402  (its machine measurements and naming)
-from bench_window import time_interleaved  # noqa: E402
+from bench_window import publish, time_interleaved  # noqa: E402
 
 import attention_ext  # noqa: E402
 from attention_ext import flash_attn_with_kvcache  # noqa: E402
@@ -167,12 +166,7 @@ def main(argv=None):
     meta["bandwidth_start_end"] = [bw_start, bw_end]
     meta["bandwidth_gbps"] = max(bw_start, bw_end)
     text = render(meta, rows, append_rows)
-    print(text)
-    if a.out:
-        with open(a.out + ".md", "w") as f:
-            f.write(text)
-        with open(a.out + ".json", "w") as f:
-            json.dump({"meta": meta, "rows": rows, "append_rows": append_rows}, f, indent=1)
+    publish(a.out, text, {"meta": meta, "rows": rows, "append_rows": append_rows})
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ rows show what padding costs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402  (its machine measurements and naming)
-from bench_window import time_interleaved  # noqa: E402
+from bench_window import publish, time_interleaved  # noqa: E402
 
 import attention_ext  # noqa: E402
 
@@ -137,12 +136,7 @@ def main(argv=None):
     meta["fma_peak_gflops_start_end"] = [peak["gflops"], peak_after]
     meta["fma_peak_gflops"] = max(peak["gflops"], peak_after)
     text = render(meta, rows)
-    print(text)
-    if a.out:
-        with open(a.out + ".md", "w") as f:
-            f.write(text)
-        with open(a.out + ".json", "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    publish(a.out, text, {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

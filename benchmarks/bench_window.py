@@ -156,6 +156,16 @@ def render(meta, rows):
     return "\n".join(lines) + "\n"
 
 
+def publish(prefix, text, data):
+    """Prints the markdown table and, with a prefix (--out), writes PREFIX.md and PREFIX.json."""
+    print(text)
+    if prefix:
+        with open(prefix + ".md", "w") as f:
+            f.write(text)
+        with open(prefix + ".json", "w") as f:
+            json.dump(data, f, indent=1)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--length", type=int, default=4096)
@@ -186,12 +196,7 @@ def main(argv=None):
     meta["fma_peak_gflops_start_end"] = [peak["gflops"], peak_after]
     meta["fma_peak_gflops"] = max(peak["gflops"], peak_after)
     text = render(meta, rows) + (render_modifiers(meta, modifier_rows) if modifier_rows else "")
-    print(text)
-    if a.out:
-        with open(a.out + ".md", "w") as f:
-            f.write(text)
-        with open(a.out + ".json", "w") as f:
-            json.dump({"meta": meta, "rows": rows, "modifier_rows": modifier_rows}, f, indent=1)
+    publish(a.out, text, {"meta": meta, "rows": rows, "modifier_rows": modifier_rows})
 
 
 if __name__ == "__main__":

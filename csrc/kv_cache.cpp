@@ -113,6 +113,8 @@ KVCacheCall check_kv_cache_inputs(const at::Tensor& q, const at::Tensor& k_cache
   return call;
 }
 
+namespace {
+
 std::pair<at::Tensor, at::Tensor> allocate_kv_cache_outputs(const KVCacheCall& call, const at::Tensor& q) {
   const std::vector<int64_t>& heads = call.shape.batch;
   const int64_t n = call.batch > 0 ? call.shape.n : q.size(-2);
@@ -131,6 +133,7 @@ std::pair<at::Tensor, at::Tensor> allocate_kv_cache_outputs(const KVCacheCall& c
   return {out, at::empty(lse_shape, q.options().dtype(lse_dtype(q.scalar_type())))};
 }
 
+// One dense call per batch entry (see prepare_kv_cache_forward).
 std::vector<AttentionParams> kv_cache_params(const KVCacheCall& call, const at::Tensor& q, const at::Tensor& k_cache,
                                              const at::Tensor& v_cache, const at::Tensor& out, const at::Tensor& lse,
                                              double scale, bool page, std::vector<at::Tensor>* scratch) {
@@ -175,6 +178,24 @@ std::vector<AttentionParams> kv_cache_params(const KVCacheCall& call, const at::
     calls.push_back(p);
   }
   return calls;
+}
+
+}  // namespace
+
+KVCacheForward prepare_kv_cache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                        const at::Tensor& cache_seqlens,
+                                        const std::optional<at::Tensor>& cache_batch_idx,
+                                        const std::optional<at::Tensor>& cache_leftpad,
+                                        const std::optional<at::Tensor>& block_table, double scale,
+                                        const LogitOptions& logit, int64_t paged_rows) {
+  const KVCacheCall call = check_kv_cache_inputs(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                                 block_table, scale, logit);
+  KVCacheForward forward;
+  std::tie(forward.out, forward.lse) = allocate_kv_cache_outputs(call, q);
+  if (forward.lse.numel() == 0) return forward;
+  forward.entries = kv_cache_params(call, q, k_cache, v_cache, forward.out, forward.lse, scale,
+                                    call.shape.n <= paged_rows, &forward.scratch);
+  return forward;
 }
 
 }  // namespace attention_ext

@@ -43,13 +43,20 @@ KVCacheCall check_kv_cache_inputs(const at::Tensor& q, const at::Tensor& k_cache
                                   const std::optional<at::Tensor>& block_table, double scale,
                                   const LogitOptions& logit);
 
-std::pair<at::Tensor, at::Tensor> allocate_kv_cache_outputs(const KVCacheCall& call, const at::Tensor& q);
-
-// One dense call per batch entry. With `page` the paged entries read their keys through the block
-// table (the CPU decode kernel's paging; their n must be at most kDecodeRows); otherwise they get a
-// contiguous copy of their blocks, kept alive in *scratch while the calls run.
-std::vector<AttentionParams> kv_cache_params(const KVCacheCall& call, const at::Tensor& q, const at::Tensor& k_cache,
-                                             const at::Tensor& v_cache, const at::Tensor& out, const at::Tensor& lse,
-                                             double scale, bool page, std::vector<at::Tensor>* scratch);
+// A KV-cache forward ready for a device's kernels: the outputs and one dense call per batch entry.
+// Calls of at most `paged_rows` query rows read a paged cache through its block table (the CPU
+// decode kernel's paging; 0: never); the others get a contiguous copy of their blocks, kept alive
+// in `scratch` while the calls run.
+struct KVCacheForward {
+  at::Tensor out, lse;
+  std::vector<AttentionParams> entries;
+  std::vector<at::Tensor> scratch;
+};
+KVCacheForward prepare_kv_cache_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                        const at::Tensor& cache_seqlens,
+                                        const std::optional<at::Tensor>& cache_batch_idx,
+                                        const std::optional<at::Tensor>& cache_leftpad,
+                                        const std::optional<at::Tensor>& block_table, double scale,
+                                        const LogitOptions& logit, int64_t paged_rows);
 
 }  // namespace attention_ext

@@ -101,6 +101,9 @@ std::pair<at::Tensor, at::Tensor> allocate_packed_forward_outputs(const PackedCa
   return {out, lse};
 }
 
+namespace {
+
+// Zeroes the gradient rows no sequence's kernels write.
 void zero_rows_outside_sequences(const PackedCall& call, at::Tensor& grad_q, at::Tensor& grad_k, at::Tensor& grad_v) {
   // Key rows no sequence with queries attends to: after the last sequence, and those of
   // sequences without queries (sequence_params leaves them out).
@@ -114,6 +117,8 @@ void zero_rows_outside_sequences(const PackedCall& call, at::Tensor& grad_q, at:
       if (call.cu_q[s + 1] == call.cu_q[s]) zero_rows(*g, call.cu_k[s], call.cu_k[s + 1]);
   }
 }
+
+}  // namespace
 
 std::vector<AttentionParams> sequence_params(const AttentionParams& packed, const PackedCall& call) {
   const int64_t value_bytes = element_size(packed.dtype);
@@ -135,6 +140,40 @@ std::vector<AttentionParams> sequence_params(const AttentionParams& packed, cons
     sequences.push_back(p);
   }
   return sequences;
+}
+
+PackedForward prepare_packed_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                     int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
+                                     const LogitOptions& logit, double dropout_p,
+                                     const std::optional<at::Tensor>& rng_state) {
+  const PackedCall call = check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              scale, logit, dropout_p, rng_state);
+  PackedForward forward;
+  std::tie(forward.out, forward.lse) = allocate_packed_forward_outputs(call, q);
+  if (forward.lse.numel() == 0) return forward;
+  AttentionParams packed = make_params(call.shape, q, k, v, std::nullopt, scale, call.logit, dropout_p, rng_state);
+  packed.out = make_ref(forward.out, call.shape.batch);
+  packed.lse = make_row_ref(forward.lse, call.shape.batch);
+  forward.sequences = sequence_params(packed, call);
+  return forward;
+}
+
+PackedBackward prepare_packed_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
+                                       const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                       int64_t max_seqlen_q, int64_t max_seqlen_k, const at::Tensor& out,
+                                       const at::Tensor& lse, double scale, const LogitOptions& logit,
+                                       double dropout_p, const std::optional<at::Tensor>& rng_state) {
+  const PackedCall call = check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              scale, logit, dropout_p, rng_state);
+  PackedBackward result;
+  result.backward = prepare_backward(grad_out, grad_lse, q, k, v, std::nullopt, out, lse, scale, call.logit,
+                                     dropout_p, rng_state, false);
+  if (result.backward.no_rows) return result;
+  zero_rows_outside_sequences(call, result.backward.grad_q, result.backward.grad_k, result.backward.grad_v);
+  result.sequences = sequence_params(result.backward.params, call);
+  return result;
 }
 
 }  // namespace attention_ext

@@ -49,13 +49,35 @@ PackedCall check_packed_inputs(const at::Tensor& q, const at::Tensor& k, const a
 // already hold their final values (0 and −inf).
 std::pair<at::Tensor, at::Tensor> allocate_packed_forward_outputs(const PackedCall& call, const at::Tensor& q);
 
-// Zeroes the gradient rows that belong to no sequence (after cu_seqlens[-1]).
-void zero_rows_outside_sequences(const PackedCall& call, at::Tensor& grad_q, at::Tensor& grad_k,
-                                 at::Tensor& grad_v);
-
 // One dense call per sequence with query rows (sequences with none do no work and are left out):
 // `packed` describes the packed tensors (n = total_q, m = total_k); each result has the
 // sequence's n and m, pointers at its first rows and dropout rows keyed by packed row.
 std::vector<AttentionParams> sequence_params(const AttentionParams& packed, const PackedCall& call);
+
+// A packed forward ready for a device's kernels: the checked call, its outputs (rows of no
+// sequence already final) and one dense call per sequence writing into them.
+struct PackedForward {
+  at::Tensor out, lse;
+  std::vector<AttentionParams> sequences;
+};
+PackedForward prepare_packed_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                     int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
+                                     const LogitOptions& logit, double dropout_p,
+                                     const std::optional<at::Tensor>& rng_state);
+
+// A packed backward ready for a device's kernels: the gradients, zero where no sequence writes
+// (rows after the last sequence, keys of sequences without queries), and one dense call per
+// sequence (none when there are no query rows).
+struct PackedBackward {
+  BackwardCall backward;
+  std::vector<AttentionParams> sequences;
+};
+PackedBackward prepare_packed_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
+                                       const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                       int64_t max_seqlen_q, int64_t max_seqlen_k, const at::Tensor& out,
+                                       const at::Tensor& lse, double scale, const LogitOptions& logit,
+                                       double dropout_p, const std::optional<at::Tensor>& rng_state);
 
 }  // namespace attention_ext

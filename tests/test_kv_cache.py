@@ -55,7 +55,8 @@ class Cache:
         if block_size is not None:
             per_row = -(-length // block_size)
             blocks = rows * per_row + 3  # spare blocks no entry uses
-            self.table = torch.randperm(blocks, generator=generator)[:rows * per_row].view(rows, per_row).to(torch.int32)
+            order = torch.randperm(blocks, generator=generator)
+            self.table = order[:rows * per_row].view(rows, per_row).to(torch.int32)
             self.k_paged = torch.randn(blocks, block_size, kv_heads, d, generator=generator).to(dtype)
             self.v_paged = torch.randn(blocks, block_size, kv_heads, d, generator=generator).to(dtype)
             for r in range(rows):

@@ -85,17 +85,11 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd(
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, int64_t causal,
     int64_t window_left, int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& sinks, double dropout_p, const std::optional<at::Tensor>& rng_state) {
-  const PackedCall call =
-      check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                          {causal, window_left, window_right, softcap, alibi_slopes, sinks}, dropout_p, rng_state);
-  auto [out, lse] = allocate_packed_forward_outputs(call, q);
-  if (lse.numel() == 0) return {out, lse};
-  AttentionParams packed = make_params(call.shape, q, k, v, std::nullopt, scale, call.logit, dropout_p, rng_state);
-  packed.out = make_ref(out, call.shape.batch);
-  packed.lse = make_row_ref(lse, call.shape.batch);
-  std::vector<AttentionParams> sequences = sequence_params(packed, call);
-  run_forward(sequences, q);
-  return {out, lse};
+  PackedForward forward = prepare_packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                                 {causal, window_left, window_right, softcap, alibi_slopes, sinks},
+                                                 dropout_p, rng_state);
+  run_forward(forward.sequences, q);
+  return {forward.out, forward.lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd(
@@ -105,16 +99,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd(
     int64_t causal, int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks, double dropout_p,
     const std::optional<at::Tensor>& rng_state) {
-  const PackedCall call =
-      check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                          {causal, window_left, window_right, softcap, alibi_slopes, sinks}, dropout_p, rng_state);
-  BackwardCall backward = prepare_backward(grad_out, grad_lse, q, k, v, std::nullopt, out, lse, scale, call.logit,
-                                           dropout_p, rng_state, false);
-  at::Tensor &gq = backward.grad_q, &gk = backward.grad_k, &gv = backward.grad_v;
-  if (backward.no_rows) return {gq, gk, gv};
-  run_backward(sequence_params(backward.params, call), {gk.numel() > 0 || gv.numel() > 0, gq.numel() > 0, false});
-  zero_rows_outside_sequences(call, gq, gk, gv);
-  return {gq, gk, gv};
+  const PackedBackward packed = prepare_packed_backward(
+      grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, scale,
+      {causal, window_left, window_right, softcap, alibi_slopes, sinks}, dropout_p, rng_state);
+  const BackwardCall& b = packed.backward;
+  run_backward(packed.sequences, {b.grad_k.numel() > 0 || b.grad_v.numel() > 0, b.grad_q.numel() > 0, false});
+  return {b.grad_q, b.grad_k, b.grad_v};
 }
 
 // Inference against a KV cache (kv_cache.h): calls of few query rows read a paged cache through
@@ -124,16 +114,12 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_fwd(
     const std::optional<at::Tensor>& cache_batch_idx, const std::optional<at::Tensor>& cache_leftpad,
     const std::optional<at::Tensor>& block_table, double scale, int64_t causal, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
-  const KVCacheCall call =
-      check_kv_cache_inputs(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, scale,
-                            {causal, window_left, window_right, softcap, alibi_slopes, std::nullopt});
-  auto [out, lse] = allocate_kv_cache_outputs(call, q);
-  if (lse.numel() == 0) return {out, lse};
-  std::vector<at::Tensor> scratch;
-  std::vector<AttentionParams> calls = kv_cache_params(call, q, k_cache, v_cache, out, lse, scale,
-                                                       call.shape.n <= kDecodeRows, &scratch);
-  run_forward(calls, q);
-  return {out, lse};
+  KVCacheForward forward = prepare_kv_cache_forward(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                                    block_table, scale,
+                                                    {causal, window_left, window_right, softcap, alibi_slopes, {}},
+                                                    kDecodeRows);
+  run_forward(forward.entries, q);
+  return {forward.out, forward.lse};
 }
 
 at::Tensor dropout_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_shape, int64_t n,

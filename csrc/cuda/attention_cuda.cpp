@@ -55,6 +55,16 @@ void check_launch(cudaError_t err) {
 }
 #endif
 
+// The tensor-core backward (fp16/bf16) copies dO rows in 16-byte chunks: a gradient without unit
+// column stride (out.sum().backward() hands in an expanded scalar) is made dense first, an
+// O(n·d_v) copy, instead of sending the call to the SIMT kernels.
+at::Tensor dense_grad_out(const at::Tensor& grad_out, const at::Tensor& q) {
+  const bool low_precision = q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16;
+  return low_precision && grad_out.dim() > 0 && grad_out.numel() > 0 && grad_out.stride(-1) != 1
+             ? grad_out.contiguous()
+             : grad_out;
+}
+
 // Plans the split-KV forward of one call and launches it, with its scratch (released after the
 // launch, stream-ordered).
 void launch_forward(AttentionParams& p, const at::Tensor& q) {
@@ -101,14 +111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   const LogitOptions logit{causal, window_left, window_right, softcap, alibi_slopes, sinks};
   check_cuda(q, q, "query");
   const DeviceGuard guard(q.device());
-  // The tensor-core backward (fp16/bf16) copies dO rows in 16-byte chunks: a gradient without
-  // unit column stride (out.sum().backward() hands in an expanded scalar) is made dense first,
-  // an O(n·d_v) copy, instead of sending the call to the SIMT kernels.
-  const bool low_precision = q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16;
-  const at::Tensor dout = low_precision && grad_out.dim() > 0 && grad_out.numel() > 0 && grad_out.stride(-1) != 1
-                              ? grad_out.contiguous()
-                              : grad_out;
-  const BackwardCall call = prepare_backward(dout, grad_lse, q, k, v, attn_mask, out, lse, scale,
+  const BackwardCall call = prepare_backward(dense_grad_out(grad_out, q), grad_lse, q, k, v, attn_mask, out, lse, scale,
                                              logit, dropout_p, rng_state, mask_requires_grad);
   const at::Tensor &gq = call.grad_q, &gk = call.grad_k, &gv = call.grad_v, &gmask = call.grad_mask;
   if (call.no_rows) return {gq, gk, gv, gmask};
@@ -145,9 +148,11 @@ at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k,
   return probs;
 }
 
-// Packed (variable-length) batches: the dense launchers once per sequence (packed_sequences.h), in
-// sequence order on the current stream. Cost follows Σ n_s·m_s, plus one launch (or split-KV pair)
-// per sequence: a batch of many short sequences pays the launch overhead of each.
+// Packed (variable-length) batches and KV caches: the dense launchers once per sequence / batch
+// entry (packed_sequences.h, kv_cache.h), in order on the current stream. Cost follows the work
+// (Σ n_s·m_s), plus one launch (or split-KV pair) each: a batch of many short sequences pays the
+// launch overhead of each. A paged cache has each entry's blocks copied into one contiguous tensor
+// first (these kernels do not read through a block table).
 std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, int64_t causal,
@@ -155,18 +160,11 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd(
     const std::optional<at::Tensor>& sinks, double dropout_p, const std::optional<at::Tensor>& rng_state) {
   check_cuda(q, q, "query");
   const DeviceGuard guard(q.device());
-  const PackedCall call =
-      check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                          {causal, window_left, window_right, softcap, alibi_slopes, sinks}, dropout_p, rng_state);
-  auto [out, lse] = allocate_packed_forward_outputs(call, q);
-  if (lse.numel() == 0) return {out, lse};
-  AttentionParams packed = make_params(call.shape, q, k, v, std::nullopt, scale, call.logit, dropout_p, rng_state);
-  packed.out = make_ref(out, call.shape.batch);
-  packed.lse = make_row_ref(lse, call.shape.batch);
-  for (AttentionParams& p : sequence_params(packed, call)) {
-    launch_forward(p, q);
-  }
-  return {out, lse};
+  PackedForward forward = prepare_packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                                 {causal, window_left, window_right, softcap, alibi_slopes, sinks},
+                                                 dropout_p, rng_state);
+  for (AttentionParams& p : forward.sequences) launch_forward(p, q);
+  return {forward.out, forward.lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd(
@@ -178,29 +176,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd(
     const std::optional<at::Tensor>& rng_state) {
   check_cuda(q, q, "query");
   const DeviceGuard guard(q.device());
-  const PackedCall call =
-      check_packed_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                          {causal, window_left, window_right, softcap, alibi_slopes, sinks}, dropout_p, rng_state);
-  const bool low_precision = q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16;
-  const at::Tensor dout = low_precision && grad_out.dim() > 0 && grad_out.numel() > 0 && grad_out.stride(-1) != 1
-                              ? grad_out.contiguous()
-                              : grad_out;
-  BackwardCall backward = prepare_backward(dout, grad_lse, q, k, v, std::nullopt, out, lse, scale, call.logit,
-                                           dropout_p, rng_state, false);
-  at::Tensor &gq = backward.grad_q, &gk = backward.grad_k, &gv = backward.grad_v;
-  if (backward.no_rows) return {gq, gk, gv};
+  const PackedBackward packed = prepare_packed_backward(
+      dense_grad_out(grad_out, q), grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
+      lse, scale, {causal, window_left, window_right, softcap, alibi_slopes, sinks}, dropout_p, rng_state);
+  const BackwardCall& b = packed.backward;
   BackwardPlan plan;
-  plan.kv = gk.numel() > 0 || gv.numel() > 0;
-  plan.q = gq.numel() > 0;
-  for (const AttentionParams& p : sequence_params(backward.params, call))
-    check_launch(attention_bwd_cuda(p, plan, current_stream()));
-  zero_rows_outside_sequences(call, gq, gk, gv);
-  return {gq, gk, gv};
+  plan.kv = b.grad_k.numel() > 0 || b.grad_v.numel() > 0;
+  plan.q = b.grad_q.numel() > 0;
+  for (const AttentionParams& p : packed.sequences) check_launch(attention_bwd_cuda(p, plan, current_stream()));
+  return {b.grad_q, b.grad_k, b.grad_v};
 }
 
-// Inference against a KV cache (kv_cache.h), one launch (or split-KV pair) per batch entry; a
-// paged cache has each entry's blocks copied into one contiguous tensor first (the CUDA kernels do
-// not read through a block table).
 std::tuple<at::Tensor, at::Tensor> attention_kvcache_fwd(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
     const std::optional<at::Tensor>& cache_batch_idx, const std::optional<at::Tensor>& cache_leftpad,
@@ -208,16 +194,11 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_fwd(
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   check_cuda(q, q, "query");
   const DeviceGuard guard(q.device());
-  const KVCacheCall call =
-      check_kv_cache_inputs(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, scale,
-                            {causal, window_left, window_right, softcap, alibi_slopes, std::nullopt});
-  auto [out, lse] = allocate_kv_cache_outputs(call, q);
-  if (lse.numel() == 0) return {out, lse};
-  std::vector<at::Tensor> scratch;
-  for (AttentionParams& p : kv_cache_params(call, q, k_cache, v_cache, out, lse, scale, false, &scratch)) {
-    launch_forward(p, q);
-  }
-  return {out, lse};
+  KVCacheForward forward = prepare_kv_cache_forward(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                                    block_table, scale,
+                                                    {causal, window_left, window_right, softcap, alibi_slopes, {}}, 0);
+  for (AttentionParams& p : forward.entries) launch_forward(p, q);
+  return {forward.out, forward.lse};
 }
 
 at::Tensor dropout_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch_shape, int64_t n,
