@@ -56,16 +56,21 @@ def register(name: str = "attention_ext") -> str:
 
 
 def mask_function(*args, **kwargs):
-    """transformers' sdpa mask (a (batch, 1, n, m) bool mask, True = attend), except that it may
-    return None whenever the causal rule (or no rule) suffices: no padding, standard positions.
-    attention_forward then passes the structure to the kernels instead of a mask."""
+    """transformers' sdpa mask (a (batch, 1, n, m) bool mask, True = attend), returning None
+    wherever transformers allows it to (the causal rule, or no rule, suffices) and also for a causal
+    sliding window without padding. attention_forward then passes the structure to the kernels
+    instead of a mask."""
     from transformers.masking_utils import sdpa_mask
-    kwargs["allow_is_causal_skip"] = True
-    kwargs["allow_is_bidirectional_skip"] = True
-    # A sliding window without padding is structure too: attention_forward passes the layer's
-    # sliding_window to the kernels (as transformers' FlashAttention path does), so the causal
-    # skip may ignore it. Not for chunked attention (attention_chunk_size), which is no window.
-    if kwargs.get("attention_mask") is None and getattr(kwargs.get("config"), "attention_chunk_size", None) is None:
+    # transformers allows the skips only where the mask is pure structure (no extra mask functions,
+    # no packing it saw, not a compiled decode step): those flags are kept as given.
+    kwargs.setdefault("allow_is_causal_skip", True)
+    kwargs.setdefault("allow_is_bidirectional_skip", True)
+    # A causal sliding window without padding is structure too: attention_forward passes the
+    # layer's sliding_window to the kernels (as transformers' FlashAttention path does), so the
+    # causal skip may ignore it. Not a bidirectional window (no causal skip is allowed for it) nor
+    # chunked attention (attention_chunk_size), which is no window.
+    if (kwargs["allow_is_causal_skip"] and kwargs.get("attention_mask") is None
+            and getattr(kwargs.get("config"), "attention_chunk_size", None) is None):
         kwargs["local_size"] = None
     return sdpa_mask(*args, **kwargs)
 

@@ -189,6 +189,33 @@ def test_bert_with_padding_equals_eager(no_sdpa):
     assert_same(outputs[NAME][real], outputs["eager"][real], "hidden states")
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["no_padding", "padding"])
+def test_modernbert_bidirectional_sliding_window_equals_eager(padded, no_sdpa):
+    """ModernBERT's local layers: a bidirectional window of 4 keys over 17 tokens. Only a causal
+    window reaches the kernels as structure; this one must keep its mask, padded or not."""
+    config = transformers.ModernBertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=2, num_attention_heads=4, local_attention=4,
+                                           global_attn_every_n_layers=2, max_position_embeddings=64, pad_token_id=0,
+                                           cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.ModernBertModel(config).eval()
+    ids = torch.randint(3, VOCAB, (2, 17), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, 12:] = 0
+    outputs = {}
+    with torch.no_grad():
+        for impl in ("eager", NAME):
+            model.set_attn_implementation(impl)
+            before = hf.calls
+            inputs = dict(input_ids=ids, attention_mask=mask) if padded else dict(input_ids=ids)
+            outputs[impl] = model(**inputs).last_hidden_state
+            if impl == NAME:
+                assert hf.calls - before == 2
+    real = mask.bool()
+    assert_same(outputs[NAME][real], outputs["eager"][real], "hidden states")
+
+
 def test_register_returns_the_name_and_checks_it():
     assert hf.register("attention_ext_again") == "attention_ext_again"
     with pytest.raises(TypeError, match="name must be a non-empty string"):
