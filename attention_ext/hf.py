@@ -23,7 +23,10 @@ training and generate() alike:
 What still materialises a boolean mask: padding (a (batch, 1, n, m) mask from transformers'
 sdpa_mask), a static cache's unfilled slots, a sliding window that bites under either, and packed
 sequences when transformers' mask code saw the packing (use_cache=False; it then hands over a
-block-diagonal (batch, 1, n, n) mask, which is applied as given) or the weights are asked for.
+block-diagonal (batch, 1, n, n) mask, which is applied as given) or the weights are asked for,
+a bidirectional sliding window (ModernBERT's local layers), and any mask transformers builds from
+extra mask functions (image tokens, prefix-LM): the mask function skips a mask only where
+transformers allows it to.
 
 transformers is an optional dependency (`pip install attention_ext[hf]`), imported only here.
 """
