@@ -224,7 +224,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # (A right bound never hides a key from the last position's row.)
     fold = seqlen_q == 1 and window_left < 0 and slopes is None and groups > 1
     if fold:
-        qh = q.view(batch, kv_heads, groups, q.shape[-1])  # (batch, kv_heads, groups as rows, d)
+        qh = q.reshape(batch, kv_heads, groups, q.shape[-1])  # (batch, kv_heads, groups as rows, d)
         kh, vh = (t.permute(0, 2, 1, 3) for t in (k_cache, v_cache))
     else:
         qh = q.unflatten(2, (kv_heads, groups)).permute(0, 2, 3, 1, 4)  # (batch, kv_heads, groups, seqlen_q, d)

@@ -193,6 +193,9 @@ KVCacheForward prepare_kv_cache_forward(const at::Tensor& q, const at::Tensor& k
   KVCacheForward forward;
   std::tie(forward.out, forward.lse) = allocate_kv_cache_outputs(call, q);
   if (forward.lse.numel() == 0) return forward;
+  // The host copy of the block table the kernels read (a copy when the caller's is on the GPU or
+  // not contiguous) lives as long as the calls.
+  if (call.block_table.has_value()) forward.scratch.push_back(*call.block_table);
   forward.entries = kv_cache_params(call, q, k_cache, v_cache, forward.out, forward.lse, scale,
                                     call.shape.n <= paged_rows, &forward.scratch);
   return forward;

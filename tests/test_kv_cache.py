@@ -231,6 +231,23 @@ def test_paged_slots_outside_the_written_positions_are_bitwise_untouched():
                 assert torch.equal(cache.k_paged[block, slot], k_before[block, slot])
 
 
+def test_strided_arguments_a_non_contiguous_block_table_and_query():
+    """Every tensor argument may be a strided view: a block table sliced out of a wider one (the
+    kernels read a contiguous copy, kept alive through the call) and a transposed query."""
+    g = torch.Generator().manual_seed(3)
+    cache = Cache(2, 40, 2, 16, torch.float32, 8, g)
+    wide = torch.zeros(2, 2 * cache.table.shape[1], dtype=torch.int32)
+    wide[:, ::2] = cache.table
+    table = wide[:, ::2]
+    assert not table.is_contiguous()
+    q = torch.randn(2, 4, 1, 16, generator=g).transpose(1, 2)  # (batch, 1, heads, d), not contiguous
+    lengths = [30, 17]
+    out = flash_attn_with_kvcache(q, cache.k_paged, cache.v_paged, cache_seqlens=torch.tensor(lengths,
+                                  dtype=torch.int32), block_table=table, causal=True)
+    want = reference_call(q, cache.k, cache.v, None, None, lengths, [0, 1], [0, 0], causal=True)[0]
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_generate_loop_appending_one_token_at_a_time_equals_full_attention():
     """64 steps of one new token each, into a paged cache of block size 3: every step's output
     equals causal attention over the whole prefix computed at once."""
