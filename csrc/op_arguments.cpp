@@ -315,6 +315,7 @@ BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at
   p = make_params(shape, q, k, v, attn_mask, scale, logit, dropout_p, rng_state);
   p.out = make_ref(out, shape.batch);
   p.lse = make_row_ref(lse, shape.batch);
+  call.grad_out = grad_out;
   p.grad_out = make_ref(grad_out, shape.batch);
   if (grad_lse.has_value()) {
     call.grad_lse_acc = grad_lse->to(stat_dtype);

@@ -76,8 +76,9 @@ struct BackwardCall {
   AttentionParams params;
   at::Tensor grad_q, grad_k, grad_v, grad_mask;
   bool no_rows = false;
-  // Kept alive for the kernels: converted grad_lse, scratch rows, 2-D view of grad_mask.
-  at::Tensor grad_lse_acc, delta, shift_hi, shift_lo, grad_mask_2d;
+  // Kept alive for the kernels: the gradient they read (a caller may hand in a temporary),
+  // converted grad_lse, scratch rows, 2-D view of grad_mask.
+  at::Tensor grad_out, grad_lse_acc, delta, shift_hi, shift_lo, grad_mask_2d;
 };
 
 BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,

@@ -111,7 +111,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   const LogitOptions logit{causal, window_left, window_right, softcap, alibi_slopes, sinks};
   check_cuda(q, q, "query");
   const DeviceGuard guard(q.device());
-  const BackwardCall call = prepare_backward(dense_grad_out(grad_out, q), grad_lse, q, k, v, attn_mask, out, lse, scale,
+  const at::Tensor dout = dense_grad_out(grad_out, q);  // alive while the kernels read it
+  const BackwardCall call = prepare_backward(dout, grad_lse, q, k, v, attn_mask, out, lse, scale,
                                              logit, dropout_p, rng_state, mask_requires_grad);
   const at::Tensor &gq = call.grad_q, &gk = call.grad_k, &gv = call.grad_v, &gmask = call.grad_mask;
   if (call.no_rows) return {gq, gk, gv, gmask};
@@ -176,8 +177,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd(
     const std::optional<at::Tensor>& rng_state) {
   check_cuda(q, q, "query");
   const DeviceGuard guard(q.device());
+  const at::Tensor dout = dense_grad_out(grad_out, q);  // alive while the kernels read it
   const PackedBackward packed = prepare_packed_backward(
-      dense_grad_out(grad_out, q), grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
+      dout, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
       lse, scale, {causal, window_left, window_right, softcap, alibi_slopes, sinks}, dropout_p, rng_state);
   const BackwardCall& b = packed.backward;
   BackwardPlan plan;
