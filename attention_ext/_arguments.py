@@ -58,6 +58,12 @@ def _listed(attribute, query, key, value):
     return ", ".join(f"{name} {getattr(t, attribute)}" for name, t in named)
 
 
+def head_groups_rule(check: Check, heads: int, kv_heads: int, kv_name: str = "k and v") -> None:
+    """GQA/MQA in the FlashAttention layouts: query heads in whole groups per key/value head."""
+    check(kv_heads > 0 and heads % kv_heads == 0, ValueError,
+          lambda: f"the number of heads in q ({heads}) must be a multiple of the number in {kv_name} ({kv_heads})")
+
+
 def scale_rules(check: Check, scale: float, dtype: torch.dtype) -> None:
     """The kernels hold scale·log2(e) in the accumulation dtype (float32 for float32, float16 and
     bfloat16 inputs): a scale that is infinite there would turn every score into inf or NaN."""

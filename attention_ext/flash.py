@@ -43,6 +43,7 @@ import numbers
 
 import torch
 
+from ._arguments import enforce, head_groups_rule
 from .api import attention, attention_weights
 from .kv_cache import flash_attn_with_kvcache
 from .varlen import varlen_attention
@@ -64,10 +65,7 @@ def _check_layout(q, k, v):
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"attention_ext.flash: q and k must have the same batch size, got q {tuple(q.shape)} and "
                          f"k {tuple(k.shape)}")
-    heads, kv_heads = q.shape[2], k.shape[2]
-    if kv_heads == 0 or heads % kv_heads != 0:
-        raise ValueError(f"attention_ext.flash: the number of heads in q ({heads}) must be a multiple of the number "
-                         f"in k and v ({kv_heads})")
+    head_groups_rule(enforce, q.shape[2], k.shape[2])
 
 
 def _band_from(causal, window_size):

@@ -108,27 +108,13 @@ def _check_tensors(q, k_cache, v_cache, k, v, paged):
         _fail(ValueError, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must share their first "
                           f"three dims, and k_cache q's head dim {q.shape[-1]}")
     heads, kv_heads = q.shape[2], k_cache.shape[2]
-    if kv_heads == 0 or heads % kv_heads:
-        _fail(ValueError, f"the number of heads in q ({heads}) must be a multiple of the number in the cache "
-                          f"({kv_heads})")
+    _arguments.head_groups_rule(_arguments.enforce, heads, kv_heads, "the cache")
     if k is not None:
         want_k = (q.shape[0], k.shape[1], kv_heads, k_cache.shape[-1])
         want_v = (q.shape[0], k.shape[1], kv_heads, v_cache.shape[-1])
         if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
             _fail(ValueError, f"k and v must be (batch, seqlen_new, kv_heads, head_dim) = {want_k} / {want_v}, got "
                               f"{tuple(k.shape)} and {tuple(v.shape)}")
-
-
-def _window(causal, window_size):
-    if not isinstance(causal, bool):
-        _fail(TypeError, f"causal must be a bool, got {type(causal).__name__}")
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
-        _fail(TypeError, f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    if left < -1 or right < -1:
-        _fail(ValueError, f"window_size values must be -1 (unbounded) or >= 0, got {(left, right)}")
-    return (left, 0) if causal else (left, right)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -142,7 +128,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_tensors(q, k_cache, v_cache, k, v, paged)
     batch, seqlen_q, heads, _ = q.shape
     kv_heads, device = k_cache.shape[2], q.device
-    window_left, window_right = _window(causal, window_size)
+    from .flash import _band_from  # flash imports this module
+
+    _, (window_left, window_right) = _band_from(causal, window_size)
+    if causal:
+        window_right = 0
     scale = _check_scale(softmax_scale, q)
     softcap = _check_softcap(softcap)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:

@@ -186,9 +186,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         raise ValueError(f"attention_ext: k and v must have the same number of heads, got k {tuple(k.shape)} and "
                          f"v {tuple(v.shape)}")
     heads, kv_heads = q.shape[1], k.shape[1]
-    if kv_heads == 0 or heads % kv_heads != 0:
-        raise ValueError(f"attention_ext: the number of heads in q ({heads}) must be a multiple of the number in k "
-                         f"and v ({kv_heads})")
+    _arguments.head_groups_rule(enforce, heads, kv_heads)
     for cu, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"attention_ext: {name} must be a torch.Tensor, got {type(cu).__name__}")

@@ -18,12 +18,6 @@ std::vector<int64_t> read_per_entry(const at::Tensor& t, const char* name, int64
   return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + batch);
 }
 
-int64_t element_size(ScalarType t) { return t == ScalarType::kFloat64 ? 8 : t == ScalarType::kFloat32 ? 4 : 2; }
-
-void advance(TensorRef& t, int64_t elements, int64_t element_bytes) {
-  t.data = static_cast<char*>(t.data) + elements * element_bytes;
-}
-
 }  // namespace
 
 KVCacheCall check_kv_cache_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -144,18 +138,18 @@ std::vector<AttentionParams> kv_cache_params(const KVCacheCall& call, const at::
                                      std::nullopt, scale, call.logit, 0.0, std::nullopt);
   base.out = make_ref(out.select(0, 0), heads);
   base.lse = make_row_ref(lse.select(0, 0), heads);
-  const int64_t value_bytes = element_size(base.dtype), stat_bytes = base.dtype == ScalarType::kFloat64 ? 8 : 4;
+  const int64_t values = value_bytes(base.dtype), stats = stat_bytes(base.dtype);
   for (int64_t b = 0; b < call.batch; ++b) {
     AttentionParams p = base;
     const int64_t begin = call.leftpad[b], end = call.seqlens[b];
     p.m = end - begin;
-    advance(p.q, b * q.stride(0), value_bytes);
-    advance(p.out, b * out.stride(0), value_bytes);
-    advance(p.lse, b * lse.stride(0), stat_bytes);
-    if (p.alibi_slopes.data != nullptr) advance(p.alibi_slopes, b * call.slopes_batch_stride, 4);
+    advance_elements(p.q, b * q.stride(0), values);
+    advance_elements(p.out, b * out.stride(0), values);
+    advance_elements(p.lse, b * lse.stride(0), stats);
+    advance_elements(p.alibi_slopes, b * call.slopes_batch_stride, sizeof(float));
     if (!call.paged) {
-      advance(p.k, call.cache_row[b] * k_cache.stride(0) + begin * k_cache.stride(-2), value_bytes);
-      advance(p.v, call.cache_row[b] * v_cache.stride(0) + begin * v_cache.stride(-2), value_bytes);
+      advance_elements(p.k, call.cache_row[b] * k_cache.stride(0) + begin * k_cache.stride(-2), values);
+      advance_elements(p.v, call.cache_row[b] * v_cache.stride(0) + begin * v_cache.stride(-2), values);
     } else if (page) {
       p.key_blocks = call.block_table->data_ptr<int32_t>() + b * call.block_table->size(1);
       p.block_size = call.block_size;
@@ -172,7 +166,7 @@ std::vector<AttentionParams> kv_cache_params(const KVCacheCall& call, const at::
         const at::Tensor keys = cache.movedim(0, rows_dim).index_select(rows_dim, ids).flatten(rows_dim, rows_dim + 1);
         scratch->push_back(keys);
         *ref = make_ref(keys, heads);
-        advance(*ref, (begin - first * call.block_size) * keys.stride(-2), value_bytes);
+        advance_elements(*ref, (begin - first * call.block_size) * keys.stride(-2), values);
       }
     }
     calls.push_back(p);

@@ -54,6 +54,16 @@ ScalarType to_scalar_type(at::ScalarType t) {
   }
 }
 
+int64_t value_bytes(ScalarType t) {
+  return t == ScalarType::kFloat64 ? 8 : t == ScalarType::kFloat32 ? 4 : 2;
+}
+
+int64_t stat_bytes(ScalarType t) { return t == ScalarType::kFloat64 ? 8 : 4; }
+
+void advance_elements(TensorRef& t, int64_t elements, int64_t element_bytes) {
+  if (t.data != nullptr) t.data = static_cast<char*>(t.data) + elements * element_bytes;
+}
+
 at::ScalarType lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -90,6 +90,13 @@ BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at
 std::vector<int64_t> with_tail(std::vector<int64_t> batch, std::initializer_list<int64_t> tail);
 
 ScalarType to_scalar_type(at::ScalarType t);
+
+// Bytes per element of a call's values (q, k, v, out, gradients) and of its row statistics (lse,
+// delta, row shifts), and a view moved by `elements` of them (an absent view stays absent): how
+// the packed and KV-cache calls point each sequence's dense call at its rows.
+int64_t value_bytes(ScalarType t);
+int64_t stat_bytes(ScalarType t);
+void advance_elements(TensorRef& t, int64_t elements, int64_t element_bytes);
 at::ScalarType lse_dtype(at::ScalarType t);
 
 }  // namespace attention_ext

@@ -38,12 +38,9 @@ void check_cumulative_lengths(const std::vector<int64_t>& cu, const char* name, 
               " holds a sequence of ", longest);
 }
 
-int64_t element_size(ScalarType t) {
-  return t == ScalarType::kFloat64 ? 8 : t == ScalarType::kFloat32 ? 4 : 2;
-}
-
+// Moves a view to row `rows` of its tensor.
 void advance_rows(TensorRef& t, int64_t rows, int64_t element_bytes) {
-  if (t.data != nullptr) t.data = static_cast<char*>(t.data) + rows * t.row_stride * element_bytes;
+  advance_elements(t, rows * t.row_stride, element_bytes);
 }
 
 }  // namespace
@@ -121,8 +118,7 @@ void zero_rows_outside_sequences(const PackedCall& call, at::Tensor& grad_q, at:
 }  // namespace
 
 std::vector<AttentionParams> sequence_params(const AttentionParams& packed, const PackedCall& call) {
-  const int64_t value_bytes = element_size(packed.dtype);
-  const int64_t stat_bytes = packed.dtype == ScalarType::kFloat64 ? 8 : 4;
+  const int64_t values = value_bytes(packed.dtype), stats = stat_bytes(packed.dtype);
   std::vector<AttentionParams> sequences;
   for (int64_t s = 0; s < call.sequences(); ++s) {
     const int64_t q_begin = call.cu_q[s], k_begin = call.cu_k[s];
@@ -130,12 +126,11 @@ std::vector<AttentionParams> sequence_params(const AttentionParams& packed, cons
     AttentionParams p = packed;
     p.n = call.cu_q[s + 1] - q_begin;
     p.m = call.cu_k[s + 1] - k_begin;
-    for (TensorRef* t : {&p.q, &p.out, &p.grad_out, &p.grad_q}) advance_rows(*t, q_begin, value_bytes);
+    for (TensorRef* t : {&p.q, &p.out, &p.grad_out, &p.grad_q}) advance_rows(*t, q_begin, values);
     for (TensorRef* t : {&p.lse, &p.grad_lse, &p.delta, &p.shift_hi, &p.shift_lo})
-      advance_rows(*t, q_begin, stat_bytes);
-    for (TensorRef* t : {&p.k, &p.v, &p.grad_k, &p.grad_v}) advance_rows(*t, k_begin, value_bytes);
-    if (p.alibi_slopes.data != nullptr)
-      p.alibi_slopes.data = static_cast<float*>(p.alibi_slopes.data) + s * call.slopes_sequence_stride;
+      advance_rows(*t, q_begin, stats);
+    for (TensorRef* t : {&p.k, &p.v, &p.grad_k, &p.grad_v}) advance_rows(*t, k_begin, values);
+    advance_elements(p.alibi_slopes, s * call.slopes_sequence_stride, sizeof(float));
     p.dropout_row_base = q_begin;
     sequences.push_back(p);
   }
