@@ -42,7 +42,8 @@ def _attention_fwd_fake(query, key, value, attn_mask, scale, causal, window_left
 
 @torch.library.register_fake("attention_ext::attention_bwd")
 def _attention_bwd_fake(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal, window_left,
-                        window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state, mask_requires_grad):
+                        window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state, mask_requires_grad,
+                        merged_lse=False):
     _check_fake_inputs(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
                        sinks, dropout_p, rng_state)
     for t, name in ((grad_out, "grad_out"), (out, "out"), (lse, "lse")):

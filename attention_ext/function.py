@@ -95,7 +95,7 @@ def _backward(ctx, grad_out, grad_lse):
         grad_out = torch.zeros_like(out)
     mask_grad = bool(ctx.needs_input_grad[3]) and attn_mask is not None
     args = (grad_out, grad_lse, query, key, value, attn_mask, out, lse, ctx.scale, *ctx.logit, alibi_slopes, sinks,
-            ctx.dropout_p, rng_state, mask_grad)
+            ctx.dropout_p, rng_state, mask_grad, False)
     if torch.is_grad_enabled():  # create_graph=True: keep the graph for double backward
         dq, dk, dv, dmask = AttentionBackward.apply(*args)
     else:
@@ -285,16 +285,16 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
 
     @staticmethod
     def forward(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal, window_left,
-                window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state, mask_grad):
+                window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state, mask_grad, merged_lse):
         with _below_autograd():
             return ops.attention_bwd(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
                                      window_left, window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state,
-                                     mask_grad)
+                                     mask_grad, merged_lse)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         (grad_out, grad_lse, query, key, value, attn_mask, _, _, scale, causal, window_left, window_right, softcap,
-         alibi_slopes, sinks, dropout_p, rng_state, mask_grad) = inputs
+         alibi_slopes, sinks, dropout_p, rng_state, mask_grad, _) = inputs
         ctx.scale, ctx.dropout_p, ctx.mask_grad = scale, dropout_p, mask_grad
         ctx.logit = (causal, window_left, window_right, softcap)
         ctx.save_for_backward(grad_out, grad_lse, query, key, value, attn_mask, rng_state, alibi_slopes, sinks)
@@ -320,11 +320,11 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
                      if pairs and targets else [None] * len(targets))
         it = iter(grads)
         out = [next(it) if w else None for w in wants]
-        return (*out[:6],) + (None,) * 8 + (out[6], None, None, None)
+        return (*out[:6],) + (None,) * 8 + (out[6], None, None, None, None)
 
     @staticmethod
     def vmap(info, in_dims, grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
-             window_left, window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state, mask_grad):
+             window_left, window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state, mask_grad, merged_lse):
         _no_vmap_over(in_dims[13], "alibi_slopes")
         _no_vmap_over(in_dims[14], "sinks")
         _no_vmap_over(in_dims[16], "rng_state")
@@ -346,7 +346,7 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
             gl = gl.expand(*batch, gl.shape[-1])
         dq, dk, dv, dmask = AttentionBackward.apply(go, gl, q, k, v, m, o, ls, scale, causal, window_left,
                                                     window_right, softcap, alibi_slopes, sinks, dropout_p,
-                                                    rng_state, mask_grad)
+                                                    rng_state, mask_grad, merged_lse)
         return (dq, dk, dv, dmask), (0, 0, 0, 0 if mask_grad else None)
 
 

@@ -55,6 +55,10 @@ struct AttentionParams {
   // in two words or, for rows where the lse's rounding would show in P, the row max and log2(sum)
   // recomputed from the row (attention_semantics.h, needs_exact_shift).
   TensorRef shift_hi, shift_lo;
+  // The lse passed to the backward normalises over more keys than this call sees (a block of an
+  // attention merged by lse, as context parallelism runs): P is taken from it as given, never
+  // recomputed from this call's own keys (which would renormalise P over them alone).
+  bool lse_is_merged = false;
   TensorRef grad_q, grad_k, grad_v;  // allocated with the inputs' own (unbroadcast) shapes
   TensorRef grad_mask;          // allocated with the mask's own shape; data == nullptr if unused
   TensorRef probs;              // attention_probs output (batch..., n, m)

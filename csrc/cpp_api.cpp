@@ -32,7 +32,7 @@ using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
     double, int64_t, int64_t, int64_t, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    double, const std::optional<at::Tensor>&, bool);
+    double, const std::optional<at::Tensor>&, bool, bool);
 using ProbsSig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double,
                             int64_t, int64_t, int64_t, double, const std::optional<at::Tensor>&,
                             const std::optional<at::Tensor>&);
@@ -118,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
       bwd_op().call(grad_out, mask_or_none(grad_lse), q, key, value, mask_or_none(attn_mask), out, lse,
                     resolve_scale(q, scale), static_cast<int64_t>(causal), window.left, window.right,
                     /*softcap=*/0.0, /*alibi_slopes=*/std::nullopt, /*sinks=*/std::nullopt, dropout_p, rng_state,
-                    mask_requires_grad);
+                    mask_requires_grad, /*merged_lse=*/false);
   // Reduce the gradients of expanded key/value back to the caller's shapes.
   if (gk.sizes() != k.sizes()) gk = gk.sum_to_size(k.sizes());
   if (gv.sizes() != v.sizes()) gv = gv.sum_to_size(v.sizes());

@@ -26,8 +26,8 @@ TORCH_LIBRARY(attention_ext, m) {
       "attention_bwd(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, "
       "Tensor? attn_mask, Tensor out, Tensor lse, float scale, int causal, int window_left, "
       "int window_right, float softcap, Tensor? alibi_slopes, Tensor? sinks, float dropout_p, "
-      "Tensor? rng_state, bool mask_requires_grad) -> (Tensor grad_query, Tensor grad_key, "
-      "Tensor grad_value, Tensor grad_mask)");
+      "Tensor? rng_state, bool mask_requires_grad, bool merged_lse=False) -> (Tensor grad_query, "
+      "Tensor grad_key, Tensor grad_value, Tensor grad_mask)");
   m.def(
       "attention_probs(Tensor query, Tensor key, Tensor? attn_mask, float scale, int causal, "
       "int window_left, int window_right, float softcap, Tensor? alibi_slopes, Tensor? sinks) -> Tensor");

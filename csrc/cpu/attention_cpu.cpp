@@ -47,12 +47,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& out, const at::Tensor& lse, double scale, int64_t causal, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
                                                  const std::optional<at::Tensor>& sinks, double dropout_p,
-    const std::optional<at::Tensor>& rng_state, bool mask_requires_grad) {
+    const std::optional<at::Tensor>& rng_state, bool mask_requires_grad, bool merged_lse) {
   const LogitOptions logit{causal, window_left, window_right, softcap, alibi_slopes, sinks};
   BackwardCall call = prepare_backward(grad_out, grad_lse, q, k, v, attn_mask, out, lse, scale,
                                        logit, dropout_p, rng_state, mask_requires_grad);
   at::Tensor &gq = call.grad_q, &gk = call.grad_k, &gv = call.grad_v, &gmask = call.grad_mask;
   if (call.no_rows) return {gq, gk, gv, gmask};
+  call.params.lse_is_merged = merged_lse;
   const AttentionParams& p = call.params;
 
   run_backward({p}, {gk.numel() > 0 || gv.numel() > 0, gq.numel() > 0, mask_requires_grad && gmask.numel() > 0});

@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kThreads) row_shift_kernel(const __grid_consta
     RowShift<A> from_lse = {ninf, A(0)};
     if (r < rows)
       from_lse = shift_from_lse(static_cast<const A*>(p.lse.data)[batch_offset(p, p.lse, idx) + i * p.lse.row_stride]);
-    const bool large = r < rows && needs_exact_shift(from_lse.hi, sizeof(T) < sizeof(float), false);
+    const bool large = !p.lse_is_merged && r < rows && needs_exact_shift(from_lse.hi, sizeof(T) < sizeof(float), false);
     if (r < rows && g == 0) {
       hi[i * p.shift_hi.row_stride] = from_lse.hi;
       lo[i * p.shift_lo.row_stride] = from_lse.lo;
