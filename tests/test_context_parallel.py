@@ -314,6 +314,7 @@ def test_run_twice_identical_bytes(group, layout, causal):
     assert all(group.run(case_twice_bitwise, layout, causal))
 
 
+@pytest.mark.slow_on_emulation
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
 def test_memory_per_rank_is_far_below_an_all_gather_of_kv():
     """P = 4: an all-gather would hold all four K/V shards on every rank (4× the shard); the ring
@@ -464,3 +465,27 @@ def test_backward_with_a_merged_lse_takes_p_from_it(n):
                                                     None, None, 0.0, None, False, True)
         for a, b in zip(got[:3], want):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+# --- the README's example ---------------------------------------------------------------------------
+
+@pytest.mark.slow_on_emulation
+def test_readme_torchrun_example_runs(tmp_path):
+    """The README's context-parallel example, run as it says (torchrun, two processes)."""
+    import re
+    import subprocess
+    import sys
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "torchrun" in b)
+    command = re.search(r"run with: (torchrun .*)", block).group(1).split()
+    assert command[:3] == ["torchrun", "--nproc-per-node", "2"] and command[-1] == "ring.py"
+    (tmp_path / "ring.py").write_text(block)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # --standalone: a free local rendezvous port, so parallel test runs do not collide.
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", *command[1:]],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    printed = sorted(line for line in run.stdout.splitlines() if "torch.Size" in line)
+    assert printed == ["0 torch.Size([1, 8, 4096, 64])", "1 torch.Size([1, 8, 4096, 64])"], run.stdout
