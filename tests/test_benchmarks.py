@@ -106,6 +106,22 @@ def test_varlen_benchmark_times_every_candidate_in_both_modes(tmp_path):
 
 
 @pytest.mark.slow_on_emulation
+def test_context_parallel_benchmark_times_both_layouts_and_logs_every_step(tmp_path):
+    prefix = tmp_path / "cp"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_context_parallel.py"),
+                           "--length", "256", "--heads", "1", "--d", "16", "--reps", "1", "--out", str(prefix)],
+                          capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "cp.json").read_text())
+    assert [(r["mode"], r["candidate"]) for r in result["rows"]] == [
+        (m, c) for m in ("fwd", "fwdbwd") for c in ("single", "cp zigzag", "cp contiguous")]
+    for row in result["rows"][1:]:
+        if row["candidate"] != "single":
+            assert len(row["ranks"]) == 2 and all(r["bytes_sent"] > 0 for r in row["ranks"])
+    assert "| fwd | cp zigzag |" in (tmp_path / "cp.md").read_text()
+
+
+@pytest.mark.slow_on_emulation
 def test_kvcache_benchmark_times_every_layout_and_the_append(tmp_path):
     prefix = tmp_path / "kv"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kvcache.py"), "--lengths", "512",
