@@ -176,6 +176,19 @@ def case_against_single_process(rank, world, layout, causal, dtype, shape_q, sha
     }
 
 
+def case_in_subgroups(rank, world, layout):
+    """The world split into rings of two ranks ({0, 1}, {2, 3}, ...), each on its own problem."""
+    groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
+    group = groups[rank // 2]
+    q, k, v, g = _full_problem((2, 8, 16), (2, 12, 16), 16, torch.float64, seed=rank // 2)
+    want, want_lse = attention_ext.attention(q, k, v, causal="bottom_right", return_lse=True)
+    local = [cp.shard(t, layout, group) for t in (q, k, v)]
+    out, lse = cp.context_parallel_attention(*local, group=group, layout=layout, causal="bottom_right",
+                                             return_lse=True)
+    return max(_relative(out, cp.shard(want, layout, group)),
+               _relative(lse, cp.shard(want_lse, layout, group, dim=-1)))
+
+
 def case_twice_bitwise(rank, world, layout, causal):
     q, k, v, g = _full_problem((2, 3, 16 * world, 24), (2, 3, 8 * world, 24), 24, torch.float32)
     runs = []
@@ -306,6 +319,13 @@ def test_any_leading_dims(pair, shape_q, shape_k):
         for rank_errors in pair.run(case_against_single_process, layout, "top_left", torch.float64, full_q, full_k,
                                     8, False):
             assert max(rank_errors.values()) <= TOLERANCE[torch.float64], rank_errors
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_a_subgroup_is_its_own_ring(group, layout):
+    """group=: the ring runs over that group's ranks (global ranks for the transfers)."""
+    for error in group.run(case_in_subgroups, layout):
+        assert error <= TOLERANCE[torch.float64]
 
 
 @pytest.mark.parametrize("causal", [None, "top_left"])
