@@ -87,3 +87,55 @@ def test_small_calls_give_the_same_bits_on_any_thread_count():
                 assert torch.equal(a, b), (n, m)
     finally:
         torch.set_num_threads(threads)
+
+
+def count_full_path_calls(monkeypatch):
+    """Counts calls that take the full argument handling (api._prepare), not the lean path."""
+    from attention_ext import api
+    calls = []
+    original = api._prepare
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+    monkeypatch.setattr(api, "_prepare", counted)
+    return calls
+
+
+def test_the_common_inference_call_skips_the_argument_handling_and_gives_the_same_bits(monkeypatch):
+    """Plain tensors, one dtype and device, the same leading dims, no mask, dropout or modifier, and
+    nothing for autograd: straight to the op (decode-sized calls spent most of their time in the
+    argument handling). The result is the full path's, bit for bit."""
+    q, k, v = inputs(n=1, m=9)
+    full = [attention_ext.attention(q, k, v, causal=c, scale=0.3, return_lse=True) for c in (None, "bottom_right")]
+    full.append(attention_ext.scaled_dot_product_attention(q, k, v, is_causal=True))
+    full_calls = count_full_path_calls(monkeypatch)
+    lean = [attention_ext.attention(q, k, v, causal=c, scale=0.3, return_lse=True) for c in (None, "bottom_right")]
+    lean.append(attention_ext.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert full_calls == []
+    for a, b in zip(torch.utils._pytree.tree_leaves(full), torch.utils._pytree.tree_leaves(lean)):
+        assert torch.equal(a, b)
+
+
+def test_every_other_call_takes_the_full_path_and_its_checks(monkeypatch):
+    q, k, v = inputs()
+    calls = count_full_path_calls(monkeypatch)
+    attention_ext.attention(q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.bool))
+    attention_ext.attention(q, k, v, window=(2, 0))
+    attention_ext.attention(q, k[:1], v[:1])  # broadcast leading dims
+    attention_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    attention_ext.attention(q, k, v, scale=1)  # an int scale: converted there
+    attention_ext.attention(q.clone().requires_grad_(), k, v)
+    assert len(calls) == 6
+    # Errors are still the full path's.
+    import pytest
+    with pytest.raises(TypeError, match="same dtype"):
+        attention_ext.attention(q, k.float(), v)
+    with pytest.raises(ValueError, match="same head dim"):
+        attention_ext.attention(q, k[..., :4], v)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        attention_ext.attention(q, k, v, scale=float("inf"))
+    with pytest.raises(TypeError, match="dropout_p must be a number"):
+        attention_ext.scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(0.0))
+    with pytest.raises(ValueError, match="causal must be"):
+        attention_ext.attention(q, k, v, causal="upper")
