@@ -287,14 +287,13 @@ _transforms_active = torch._C._are_functorch_transforms_active
 def _lean_forward(query, key, value, causal_code, scale):
     """The common call with nothing to normalise, straight to the op: plain tensors of one float
     dtype on one CPU (or CUDA, with kernels) device, the same leading dims, no mask, dropout, GQA or
-    score modifier, and nothing for autograd, a transform or the compiler to see. Returns the op's
-    (out, lse), or None for any other call, which then takes the full path and its checks (so
-    every error is still raised there, as before). Saves ~25 µs of argument handling per call:
-    the whole cost of a decode-sized call."""
+    score modifier, and no forward-mode AD, transform or compiler to see: the op (through the
+    autograd Function when an input requires grad). Returns (out, lse), or None for any other
+    call, which then takes the full path and its checks (so every error is still raised there, as
+    before). Saves ~25 µs of argument handling per call: the whole cost of a decode-sized call."""
     if type(query) is not _Tensor or type(key) is not _Tensor or type(value) is not _Tensor:
         return None
-    if (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)) \
-            or _forward_ad._current_level >= 0 or _transforms_active() or _is_compiling():
+    if _forward_ad._current_level >= 0 or _transforms_active() or _is_compiling():
         return None
     dtype = query.dtype
     if dtype not in FLOAT_DTYPES or key.dtype is not dtype or value.dtype is not dtype:
@@ -317,6 +316,9 @@ def _lean_forward(query, key, value, causal_code, scale):
         scale = 1.0 / math.sqrt(ks[-1]) if ks[-1] > 0 else 1.0
     elif type(scale) is not float or not math.isfinite(scale) or scale_overflows(scale, dtype):
         return None
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return AttentionFunction.apply(query, key, value, None, scale, causal_code, -1, -1, 0.0, None, None, 0.0,
+                                       None)
     with _below_autograd():
         return ops.attention_fwd(query, key, value, None, scale, causal_code, -1, -1, 0.0, None, None, 0.0, None)
 

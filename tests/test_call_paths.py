@@ -117,6 +117,21 @@ def test_the_common_inference_call_skips_the_argument_handling_and_gives_the_sam
         assert torch.equal(a, b)
 
 
+def test_the_lean_path_records_the_autograd_function_when_an_input_requires_grad(monkeypatch):
+    q, k, v = inputs(n=3, m=9)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.autograd.backward(attention_ext.attention(*leaves, attn_mask=torch.ones(3, 9, dtype=torch.bool)),
+                            torch.ones(2, 3, 3, 8, dtype=torch.float64))  # full path (a mask)
+    full_grads = [t.grad for t in leaves]
+    calls = count_function_calls(monkeypatch)
+    full_calls = count_full_path_calls(monkeypatch)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention_ext.scaled_dot_product_attention(*leaves)
+    assert out.grad_fn is not None and len(calls) == 1 and full_calls == []
+    out.backward(torch.ones_like(out))
+    assert all(torch.equal(a, t.grad) for a, t in zip(full_grads, leaves))
+
+
 def test_every_other_call_takes_the_full_path_and_its_checks(monkeypatch):
     q, k, v = inputs()
     calls = count_full_path_calls(monkeypatch)
@@ -125,7 +140,8 @@ def test_every_other_call_takes_the_full_path_and_its_checks(monkeypatch):
     attention_ext.attention(q, k[:1], v[:1])  # broadcast leading dims
     attention_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     attention_ext.attention(q, k, v, scale=1)  # an int scale: converted there
-    attention_ext.attention(q.clone().requires_grad_(), k, v)
+    with fwAD.dual_level():
+        attention_ext.attention(fwAD.make_dual(q, torch.ones_like(q)), k, v)
     assert len(calls) == 6
     # Errors are still the full path's.
     import pytest
