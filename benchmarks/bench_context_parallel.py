@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402  (machine measurements and naming)
-from bench_window import publish  # noqa: E402
+from bench_window import peak_text, publish, settle_peak  # noqa: E402
 
 import attention_ext  # noqa: E402
 import attention_ext.distributed as cp  # noqa: E402
@@ -163,9 +163,7 @@ def main(argv=None):
                 print(f"{mode} {name}: {t * 1e3:.1f} ms, efficiency {t_single / t:.2f}", flush=True)
     finally:
         ranks.close()
-    peak_after = bench.measure_fma_peak()["gflops"]  # the larger of the two: see bench_window.py
-    meta["fma_peak_gflops_start_end"] = [peak["gflops"], peak_after]
-    meta["fma_peak_gflops"] = max(peak["gflops"], peak_after)
+    settle_peak(meta, peak["gflops"])
     publish(a.out, render(meta, rows), {"meta": meta, "rows": rows})
 
 
@@ -173,8 +171,7 @@ def render(meta, rows):
     peak = meta["fma_peak_gflops"]
     lines = [f"# Context parallelism, {meta['dtype']}, {meta['cpu']}", "",
              f"torch {meta['torch']}, kernel variant {meta['variant']}; measured FMA peak of {meta['world']} threads "
-             f"{peak:.0f} GFLOP/s (same run; {meta['fma_peak_gflops_start_end'][0]:.0f} before the timings, "
-             f"{meta['fma_peak_gflops_start_end'][1]:.0f} after). One causal (top-left) sequence of "
+             f"{peak_text(meta)}. One causal (top-left) sequence of "
              f"{meta['length']} tokens, {meta['heads']} heads, head dim {meta['d']}. single: attention() in one "
              f"process on {meta['world']} threads; cp: context_parallel_attention over {meta['world']} processes × 1 "
              f"thread on loopback gloo. Median of {meta['reps']} interleaved reps; CP time = the slowest rank's.", "",

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402  (its machine measurements and naming)
-from bench_window import publish, time_interleaved  # noqa: E402
+from bench_window import peak_text, publish, settle_peak, time_interleaved  # noqa: E402
 
 import attention_ext  # noqa: E402
 
@@ -100,8 +100,7 @@ def render(meta, rows):
     lengths = meta["lengths"]
     lines = [f"# Packed variable-length batch, {meta['dtype']}, {meta['cpu']}", "",
              f"torch {meta['torch']}, {meta['threads']} threads, kernel variant {meta['variant']}; measured FMA peak "
-             f"{peak:.0f} GFLOP/s (same run; {meta['fma_peak_gflops_start_end'][0]:.0f} before the timings, "
-             f"{meta['fma_peak_gflops_start_end'][1]:.0f} after). {len(lengths)} causal sequences of lengths "
+             f"{peak_text(meta)}. {len(lengths)} causal sequences of lengths "
              f"{', '.join(map(str, lengths))} ({sum(lengths)} tokens; padded: {len(lengths)} x {max(lengths)}), "
              f"{meta['heads']} heads, head dim {meta['d']}. GFLOP/s count the causal pairs inside the sequences "
              "only (backward 2.5x forward), so the padded rows' GFLOP/s are useful work per second.", "",
@@ -132,9 +131,7 @@ def main(argv=None):
                                                                                  else sys.argv[1:])}
     print(f"{meta['cpu']}: FMA peak {peak['gflops']:.0f} GFLOP/s on {meta['threads']} threads", flush=True)
     rows = run(lengths, a.heads, a.d, bench.DTYPES[a.dtype], a.reps, a.warmup)
-    peak_after = bench.measure_fma_peak()["gflops"]  # the larger of the two: see bench_window.py
-    meta["fma_peak_gflops_start_end"] = [peak["gflops"], peak_after]
-    meta["fma_peak_gflops"] = max(peak["gflops"], peak_after)
+    settle_peak(meta, peak["gflops"])
     text = render(meta, rows)
     publish(a.out, text, {"meta": meta, "rows": rows})
 

@@ -140,8 +140,7 @@ def render(meta, rows):
     peak = meta["fma_peak_gflops"]
     lines = [f"# Sliding-window attention, {meta['dtype']}, {meta['cpu']}", "",
              f"torch {meta['torch']}, {meta['threads']} threads, kernel variant {meta['variant']}; measured FMA peak "
-             f"{peak:.0f} GFLOP/s (same run; {meta['fma_peak_gflops_start_end'][0]:.0f} before the timings, "
-             f"{meta['fma_peak_gflops_start_end'][1]:.0f} after). Shape (1, {meta['heads']}, {meta['length']}, "
+             f"{peak_text(meta)}. Shape (1, {meta['heads']}, {meta['length']}, "
              f"{meta['length']}, "
              f"{meta['d']}), causal window (w, 0); torch gets the same band as a bool attn_mask. GFLOP/s count the "
              "visible pairs only (backward 2.5x forward).", "",
@@ -154,6 +153,20 @@ def render(meta, rows):
                      f"{r['torch_over_ours']:.2f} | {r['gflops']['ours']:.1f} | "
                      f"{100 * r['gflops']['ours'] / peak:.0f}% |")
     return "\n".join(lines) + "\n"
+
+
+def settle_peak(meta, peak_before):
+    """Measures the FMA peak again after the timings and keeps the larger of the two: a shared
+    machine's capacity drifts, and a peak taken while a neighbour was busy would overstate every %."""
+    peak_after = bench.measure_fma_peak()["gflops"]
+    meta["fma_peak_gflops_start_end"] = [peak_before, peak_after]
+    meta["fma_peak_gflops"] = max(peak_before, peak_after)
+
+
+def peak_text(meta):
+    """The table header's account of the peak that every % of peak is against."""
+    before, after = meta["fma_peak_gflops_start_end"]
+    return f"{meta['fma_peak_gflops']:.0f} GFLOP/s (same run; {before:.0f} before the timings, {after:.0f} after)"
 
 
 def publish(prefix, text, data):
@@ -190,11 +203,7 @@ def main(argv=None):
     modifier_rows = []
     if a.modifiers:
         modifier_rows = run_modifiers(a.length, a.heads, a.d, bench.DTYPES[a.dtype], a.reps, a.warmup)
-    # Measured again after the timings: a shared machine's capacity drifts, and a peak taken
-    # while a neighbour was busy would overstate every % below. The larger of the two is used.
-    peak_after = bench.measure_fma_peak()["gflops"]
-    meta["fma_peak_gflops_start_end"] = [peak["gflops"], peak_after]
-    meta["fma_peak_gflops"] = max(peak["gflops"], peak_after)
+    settle_peak(meta, peak["gflops"])
     text = render(meta, rows) + (render_modifiers(meta, modifier_rows) if modifier_rows else "")
     publish(a.out, text, {"meta": meta, "rows": rows, "modifier_rows": modifier_rows})
 
