@@ -30,7 +30,9 @@ pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 
 WORKER_IDLE_S = 300  # a worker nobody sends work to exits by itself
 CASE_TIMEOUT_S = 180
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
+# Relative to the largest reference value; bf16 compares two bf16 computations (each block's partial
+# result is rounded to bf16 before the float32 merge).
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 5e-2}
 
 
 # --- the worker group ------------------------------------------------------------------------------
@@ -262,6 +264,35 @@ def case_odd_zigzag_shard(rank, world):
     cp.context_parallel_attention(q, q, q, layout="zigzag")
 
 
+def case_grad_mode_differs(rank, world):
+    """Rank 1 runs without autograd, the others record the call (and would wait for rank 1 in
+    backward): refused on every rank before the ring starts."""
+    q = torch.randn(2, 8, 16, requires_grad=True)
+    with torch.set_grad_enabled(rank != 1):
+        cp.context_parallel_attention(q, q, q)
+
+
+def case_unshard_bad_layout_on_rank_1(rank, world):
+    cp.unshard(torch.randn(2, 4, 3), "zigzag" if rank != 1 else "diagonal")
+
+
+def case_unshard_layouts_differ(rank, world):
+    cp.unshard(torch.randn(2, 4, 3), "zigzag" if rank != 1 else "contiguous")
+
+
+def case_not_a_member(rank, world):
+    """group = ranks {0, 1}: a call from another rank is an error there, not a silent zero output."""
+    group = dist.new_group([0, 1])
+    if rank < 2:
+        return None
+    q = torch.randn(2, 8, 16)
+    try:
+        cp.context_parallel_attention(q, q, q, group=group)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def case_shard_indivisible(rank, world):
     cp.shard(torch.randn(2, 2 * world + 1, 4), "zigzag")
 
@@ -280,7 +311,7 @@ def case_shard_unshard(rank, world):
 
 # --- the spec -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_matches_single_process_attention(group, layout, causal, dtype):
@@ -301,16 +332,18 @@ def test_more_queries_than_keys_bottom_right_rows_without_keys(group, layout):
         assert max(rank_errors.values()) <= TOLERANCE[torch.float64], rank_errors
 
 
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_grouped_query_attention(group, layout):
+def test_grouped_query_attention(group, layout, causal):
     P = group.world
-    for rank_errors in group.run(case_against_single_process, layout, "top_left", torch.float64,
-                                 (2, 4, 8 * P, 16), (2, 2, 8 * P, 16), 16, True):
+    for rank_errors in group.run(case_against_single_process, layout, causal, torch.float64,
+                                 (2, 4, 8 * P, 16), (2, 2, 6 * P, 16), 16, True):
         assert max(rank_errors.values()) <= TOLERANCE[torch.float64], rank_errors
 
 
-@pytest.mark.parametrize("shape_q,shape_k", [((4, 16), (6, 16)), ((2, 2, 3, 4, 8), (2, 2, 3, 6, 8))],
-                         ids=["no_leading_dims", "three_leading_dims"])
+@pytest.mark.parametrize("shape_q,shape_k", [((4, 16), (6, 16)), ((2, 2, 3, 4, 8), (2, 2, 3, 6, 8)),
+                                             ((2, 3, 4, 8), (1, 3, 6, 8)), ((1, 3, 4, 8), (2, 3, 6, 8))],
+                         ids=["no_leading_dims", "three_leading_dims", "key_batch_broadcast", "query_batch_broadcast"])
 def test_any_leading_dims(pair, shape_q, shape_k):
     # Rows are per rank: scale the shard lengths to the full sequence.
     full_q = (*shape_q[:-2], shape_q[-2] * 2, shape_q[-1])
@@ -328,7 +361,7 @@ def test_a_subgroup_is_its_own_ring(group, layout):
         assert error <= TOLERANCE[torch.float64]
 
 
-@pytest.mark.parametrize("causal", [None, "top_left"])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_run_twice_identical_bytes(group, layout, causal):
     assert all(group.run(case_twice_bitwise, layout, causal))
@@ -338,7 +371,7 @@ def test_run_twice_identical_bytes(group, layout, causal):
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
 def test_memory_per_rank_is_far_below_an_all_gather_of_kv():
     """P = 4: an all-gather would hold all four K/V shards on every rank (4× the shard); the ring
-    holds two blocks beyond its own (2×) in forward, and in backward also two dK/dV blocks —
+    holds two blocks beyond its own (2×) in forward, and in backward also up to three dK/dV blocks —
     still below the all-gathered K/V plus their gradients that a non-ring backward keeps."""
     g = RankGroup(4)
     try:
@@ -369,6 +402,29 @@ def test_bad_arguments_on_one_rank_fail_every_rank(group):
     for rank, (_, (name, message, _)) in enumerate(outcomes):
         if rank != 1:
             assert name == "RuntimeError" and "rank 1" in message and "failed on another rank" in message
+
+
+def test_a_rank_that_autograd_does_not_record_fails_every_rank(pair):
+    for ok, (name, message, _) in pair.outcomes(case_grad_mode_differs):
+        assert not ok and name == "ValueError" and "whether autograd records the call" in message
+
+
+def test_unshard_errors_reach_every_rank(pair):
+    outcomes = pair.outcomes(case_unshard_bad_layout_on_rank_1)
+    assert outcomes[1][1][0] == "ValueError" and "layout must be" in outcomes[1][1][1]
+    assert outcomes[0][1][0] == "RuntimeError" and "rank 1" in outcomes[0][1][1]
+    for ok, (name, message, _) in pair.outcomes(case_unshard_layouts_differ):
+        assert not ok and name == "ValueError" and "same arguments" in message
+
+
+def test_a_process_outside_the_group_gets_an_error():
+    g = RankGroup(4)
+    try:
+        results = g.run(case_not_a_member)
+    finally:
+        g.close()
+    assert results[:2] == [None, None]
+    assert all("not a member of the group" in r for r in results[2:])
 
 
 def test_ranks_that_disagree_fail_every_rank(pair):

@@ -13,6 +13,7 @@ their log-sum-exp (_ring.py). Causal blocks that see nothing are skipped (_layou
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Optional
 
 import torch
@@ -30,15 +31,33 @@ def _group_rank_world(group):
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("attention_ext: context parallelism needs torch.distributed initialised "
                            "(torch.distributed.init_process_group) in every process")
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError("attention_ext: this process is not a member of the group passed as group=")
+    return rank, world
+
+
+def _fingerprint(message: Optional[str], facts) -> int:
+    """A 63-bit digest of (error, facts), the same on every rank for the same values."""
+    digest = hashlib.blake2b(repr((message, facts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _agree(group, world, error: Optional[BaseException], facts: Optional[tuple], what: str):
     """Every rank learns whether every rank's arguments were good and the same, before any rank
-    starts a transfer — so a bad argument on one rank is an exception on all, never a hang. A rank
-    whose own check failed re-raises its exception; the others raise naming the failed ranks."""
-    everyone = [None] * world
+    starts a transfer — so a bad argument on one rank is an exception on all, not a hang. One
+    all-reduce of a digest when all agree (the common case); only when they do not, the details
+    are gathered to say which rank. A rank whose own check failed re-raises its exception; the
+    others raise naming the failed ranks."""
     message = None if error is None else f"{type(error).__name__}: {error}"
+    on_gpu = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    mark = _fingerprint(message, facts)
+    extremes = torch.tensor([mark, -mark], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    if error is None and int(extremes[0]) == mark and int(extremes[1]) == -mark:
+        return  # every rank has the same digest: the same facts, no error
+    everyone = [None] * world
     dist.all_gather_object(everyone, (message, facts), group=group)
     if error is not None:
         raise error
@@ -47,17 +66,17 @@ def _agree(group, world, error: Optional[BaseException], facts: Optional[tuple],
         raise RuntimeError(f"attention_ext: {what} failed on another rank of the group, so every rank stops: "
                            + "; ".join(failed))
     differing = [r for r, (_, f) in enumerate(everyone) if f != everyone[0][1]]
-    if differing:
-        listing = "; ".join(f"rank {r}: {f}" for r, (_, f) in enumerate(everyone))
-        raise ValueError(f"attention_ext: {what} needs the same arguments (shard shapes, dtype, flags) on every "
-                         f"rank, but ranks {differing} differ from rank 0: {listing}")
+    listing = "; ".join(f"rank {r}: {f}" for r, (_, f) in enumerate(everyone))
+    raise ValueError(f"attention_ext: {what} needs the same arguments (shard shapes, dtype, flags, whether "
+                     f"autograd records the call) on every rank, but ranks {differing} differ from rank 0: {listing}")
 
 
 @contextlib.contextmanager
 def record_ring_steps():
     """Records every ring step run inside the block, on this rank: a list of dicts with pass
     ('forward' / 'backward'), step, compute_s (the kernels and merges), wait_s (waiting for the
-    transfers after computing: 0 when the transfer was hidden), bytes_sent."""
+    transfers after computing: 0 when the transfer was hidden), bytes_sent. Host-side times: on
+    CUDA they measure kernel launches and waits are asynchronous, so synchronise to time steps."""
     previous, _ring._step_log = _ring._step_log, []
     try:
         yield _ring._step_log
@@ -68,7 +87,7 @@ def record_ring_steps():
 def _dim_index(x: torch.Tensor, dim: int, name: str) -> int:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"attention_ext: {name} must be a torch.Tensor, got {type(x).__name__}")
-    if not -x.dim() <= dim < max(x.dim(), 1):
+    if x.dim() == 0 or not -x.dim() <= dim < x.dim():
         raise ValueError(f"attention_ext: dim {dim} is out of range for {name} of shape {tuple(x.shape)}")
     return dim % x.dim()
 
@@ -110,16 +129,16 @@ def unshard(x_local: torch.Tensor, layout: str = "contiguous", group=None, *, di
     """The full tensor from every rank's shard (an all-gather; the inverse of shard). Differentiable:
     the gradient of this rank's shard is the sum over the ranks of their full tensors' gradients
     at its rows (torch.distributed.nn's all_gather convention). Use dim=-1 for an lse shard."""
-    check_layout(layout)
     rank, world = _group_rank_world(group)
-    error, facts = None, None
+    error, facts, d = None, None, None
     try:
+        check_layout(layout)
         d = _dim_index(x_local, dim, "x_local")
         if layout == "zigzag" and x_local.shape[d] % 2:
             raise ValueError(f"attention_ext: a zigzag shard has two equal chunks, but x_local has "
                              f"{x_local.shape[d]} rows along dim {dim}")
-        facts = (tuple(x_local.shape), str(x_local.dtype), d)
-    except (TypeError, ValueError) as e:
+        facts = (tuple(x_local.shape), str(x_local.dtype), d, layout)
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, whatever it is
         error = e
     _agree(group, world, error, facts, "unshard")
     return _Unshard.apply(x_local, layout, group, d, world)
@@ -157,10 +176,16 @@ def context_parallel_attention(query, key, value, *, group=None, layout: str = "
     query (N rows in all), key and value (M rows); leading dims alike on every rank. causal: None,
     "top_left" or "bottom_right", on global positions. Returns out (and the lse shard with
     return_lse=True), differentiable into the local shards: dK/dV are summed around the ring back to
-    their owner. Every rank must make the same call, and run backward through it when one does.
+    their owner. Every rank must make the same call (checked: shapes, dtype, flags, whether autograd
+    records it) and run backward through it when one does. A failure inside the ring on one rank
+    (an error during backward, running out of memory) or a rank that skips the backward the others
+    run leaves the others waiting until the process group's timeout (init_process_group(timeout=)).
 
     Bitwise deterministic for a fixed group size. Memory per rank: its shards plus two K/V blocks
-    in flight (backward: also two dK/dV blocks in the accumulation dtype), never an all-gather."""
+    in flight (backward: also up to three dK/dV blocks in the accumulation dtype: the one being
+    summed, the one arriving and the one leaving), never an all-gather. fp16/bf16: each block's
+    partial output and gradients come from the kernel rounded to the input dtype, then merge and sum
+    in float32."""
     rank, world = _group_rank_world(group)
     error, facts = None, None
     try:
@@ -176,9 +201,12 @@ def context_parallel_attention(query, key, value, *, group=None, layout: str = "
         if layout == "zigzag" and (n_local % 2 or m_local % 2):
             raise ValueError(f"attention_ext: a zigzag shard has two equal chunks, but query has {n_local} rows "
                              f"and key {m_local}: both must be even")
+        # Whether autograd records the call: a rank that records it runs the ring again in backward,
+        # so every rank must (else the others wait for it there).
+        records = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         facts = (tuple(query.shape), tuple(key.shape), tuple(value.shape), str(query.dtype), query.device.type,
-                 layout, causal, scale_p, enable_gqa, return_lse)
-    except (TypeError, ValueError, NotImplementedError) as e:
+                 layout, causal, scale_p, enable_gqa, return_lse, records)
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, whatever it is
         error = e
     _agree(group, world, error, facts, "context_parallel_attention")
 

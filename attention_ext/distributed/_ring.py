@@ -11,7 +11,8 @@ weights are the global ones, so each step's kernel backward gives exact partial 
 step order) and partial dK/dV for the block it holds. Those partials ride along the ring with their
 block, each rank adding its own, and after P steps arrive at the block's owner — again in a fixed
 order. Traffic per rank and pass: P−1 K/V blocks (backward adds P dK/dV blocks, in the accumulation
-dtype); the dK/dV hop of step s overlaps step s+1's compute.
+dtype); the dK/dV hop of step s overlaps step s+1's compute, so backward holds up to three dK/dV
+blocks: the one this step sums, the one arriving and the one still leaving.
 """
 from __future__ import annotations
 
