@@ -72,9 +72,13 @@ def _broadcast_batch(query, key, value):
             f"{tuple(value.shape)} do not broadcast") from None
 
 
+def _default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
 def _check_scale(scale, key):
     if scale is None:
-        return 1.0 / math.sqrt(key.shape[-1]) if key.shape[-1] > 0 else 1.0
+        return _default_scale(key.shape[-1])
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
             raise TypeError(f"attention_ext: scale must be a number, got a tensor of shape {tuple(scale.shape)}")
@@ -313,14 +317,11 @@ def _lean_forward(query, key, value, causal_code, scale):
         if qs[i] != ks[i] or ks[i] != vs[i]:
             return None
     if scale is None:
-        scale = 1.0 / math.sqrt(ks[-1]) if ks[-1] > 0 else 1.0
+        scale = _default_scale(ks[-1])
     elif type(scale) is not float or not math.isfinite(scale) or scale_overflows(scale, dtype):
         return None
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return AttentionFunction.apply(query, key, value, None, scale, causal_code, -1, -1, 0.0, None, None, 0.0,
-                                       None)
-    with _below_autograd():
-        return ops.attention_fwd(query, key, value, None, scale, causal_code, -1, -1, 0.0, None, None, 0.0, None)
+    args = (query, key, value, None, scale, causal_code, -1, -1, 0.0, None, None, 0.0, None)
+    return _call(ops.attention_fwd, AttentionFunction, args, query, key, value)
 
 
 def draw_rng_state(device="cpu") -> torch.Tensor:
