@@ -369,6 +369,9 @@ def test_run_twice_identical_bytes(group, layout, causal):
 
 @pytest.mark.slow_on_emulation
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
+@pytest.mark.skipif(os.environ.get("ATTENTION_EXT_SANITIZED") == "1",
+                    reason="under AddressSanitizer freed blocks sit in ASan's quarantine, so peak RSS counts "
+                           "buffers the ring has already released; the regular run measures it")
 def test_memory_per_rank_is_far_below_an_all_gather_of_kv():
     """P = 4: an all-gather would hold all four K/V shards on every rank (4× the shard); the ring
     holds two blocks beyond its own (2×) in forward, and in backward also up to three dK/dV blocks —
