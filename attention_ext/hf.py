@@ -20,13 +20,14 @@ training and generate() alike:
     the packing (a training forward with the default use_cache=True), so no sequence attends to
     another. Without a mask from transformers they run as packed variable-length batches
     (attention_ext.varlen): cost Σ n_b², no mask.
-What still materialises a boolean mask: padding (a (batch, 1, n, m) mask from transformers'
-sdpa_mask), a static cache's unfilled slots, a sliding window that bites under either, and packed
-sequences when transformers' mask code saw the packing (use_cache=False; it then hands over a
-block-diagonal (batch, 1, n, n) mask, which is applied as given) or the weights are asked for,
-a bidirectional sliding window (ModernBERT's local layers), and any mask transformers builds from
-extra mask functions (image tokens, prefix-LM): the mask function skips a mask only where
-transformers allows it to.
+  * padding, and a static cache's slots past the newest token: a (batch, 1, 1, m) mask over the
+    keys, with the layer's rule applied by the kernels on top (mask_function), never an (n x m)
+    mask.
+What keeps transformers' (batch, 1, n, m) mask: packed sequences when transformers' mask code saw
+the packing (use_cache=False; a block-diagonal mask, applied as given) or the weights are asked
+for, a bidirectional sliding window (ModernBERT's local layers), chunked attention, a compiled
+static cache's traced positions, and any mask transformers builds from extra mask functions
+(image tokens, prefix-LM): the mask function skips a mask only where transformers allows it to.
 
 transformers is an optional dependency (`pip install attention_ext[hf]`), imported only here.
 """
@@ -58,24 +59,100 @@ def register(name: str = "attention_ext") -> str:
     return name
 
 
+# The attribute mask_function sets on the (batch, 1, 1, m) key masks it returns for causal layers:
+# (visible, padded). Only the first `visible` keys can be seen (a static cache's slots past the
+# newest token are not), the layer's causal rule and window apply to them bottom-right aligned,
+# and `padded` says whether the mask also hides padding keys among them.
+_CAUSAL_KEYS = "_attention_ext_causal_keys"
+
+
 def mask_function(*args, **kwargs):
-    """transformers' sdpa mask (a (batch, 1, n, m) bool mask, True = attend), returning None
-    wherever transformers allows it to (the causal rule, or no rule, suffices) and also for a causal
-    sliding window without padding. attention_forward then passes the structure to the kernels
-    instead of a mask."""
+    """transformers' mask interface. What attention_forward receives:
+
+    * None where the layer's own rule is the whole structure: causal (bottom-right aligned, the
+      queries being the last positions of the keys) or bidirectional, plus a causal sliding window,
+      which attention_forward passes to the kernels as transformers' FlashAttention path does;
+    * with the same structure but padding, or a static cache whose newest token is not its last
+      slot: a (batch, 1, 1, m) boolean mask over the keys. A causal layer's carries a marker
+      (_CAUSAL_KEYS): attention_forward drops the slots past the newest token and applies the causal
+      rule and window to the rest. A bidirectional layer's is broadcast over the rows (a stride-0
+      view). No (n x m) mask is built either way;
+    * transformers' sdpa mask (batch, 1, n, m) otherwise: extra mask functions (image tokens,
+      prefix-LM), packing transformers saw, chunked attention, a bidirectional window, a compiled
+      decode step.
+    """
     from transformers.masking_utils import sdpa_mask
-    # transformers allows the skips only where the mask is pure structure (no extra mask functions,
-    # no packing it saw, not a compiled decode step): those flags are kept as given.
-    kwargs.setdefault("allow_is_causal_skip", True)
-    kwargs.setdefault("allow_is_bidirectional_skip", True)
-    # A causal sliding window without padding is structure too: attention_forward passes the
-    # layer's sliding_window to the kernels (as transformers' FlashAttention path does), so the
-    # causal skip may ignore it. Not a bidirectional window (no causal skip is allowed for it) nor
-    # chunked attention (attention_chunk_size), which is no window.
-    if (kwargs["allow_is_causal_skip"] and kwargs.get("attention_mask") is None
-            and getattr(kwargs.get("config"), "attention_chunk_size", None) is None):
-        kwargs["local_size"] = None
-    return sdpa_mask(*args, **kwargs)
+    call = dict(zip(_sdpa_mask_parameters(), args))
+    call.update(kwargs)
+    n, m, kv_offset = call["q_length"], call["kv_length"], call.get("kv_offset", 0)
+    # transformers allows a skip only where the mask is pure structure (no extra mask functions, no
+    # packing it saw, not a compiled decode step). Chunked attention is no window: it has no
+    # structure in the kernels.
+    causal = (call.setdefault("allow_is_causal_skip", True)
+              and getattr(call.get("config"), "attention_chunk_size", None) is None)
+    visible = _keys_up_to_the_newest_query(call.get("q_offset", 0), n, kv_offset, m) if causal else None
+    if causal and visible is not None:
+        padding = _key_padding(call.get("attention_mask"), kv_offset, m, visible)
+        if padding is None and visible == m:
+            return None
+        keys = (padding if padding is not None else torch.ones(call["batch_size"], m, dtype=torch.bool,
+                                                               device=call.get("device", "cpu")))[:, None, None, :]
+        setattr(keys, _CAUSAL_KEYS, (visible, padding is not None))
+        return keys
+    # Anything else keeps transformers' own mask, with its skips only where None means the same
+    # to the kernels (bottom-right alignment) as to torch's SDPA.
+    call["allow_is_causal_skip"] = False
+    bidirectional = call.get("allow_is_bidirectional_skip", False) and call.get("local_size") is None
+    if bidirectional and n > 1 and not causal:
+        padding = _key_padding(call.get("attention_mask"), kv_offset, m, m)
+        if padding is None:
+            return None
+        return padding[:, None, None, :].expand(-1, -1, n, -1)
+    return sdpa_mask(**call)
+
+
+def _sdpa_mask_parameters():
+    import inspect
+    from transformers.masking_utils import sdpa_mask
+    return list(inspect.signature(sdpa_mask).parameters)
+
+
+def _tracing():
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def _keys_up_to_the_newest_query(q_offset, n, kv_offset, m):
+    """How many of the keys (positions kv_offset..kv_offset+m-1) a causal layer's queries (positions
+    q_offset..q_offset+n-1) can see: those up to the newest query. None when the queries reach past
+    the keys, or when the offset is traced (a compiled static cache) and cannot be read."""
+    offsets = []
+    for offset in (q_offset, kv_offset):
+        if isinstance(offset, torch.Tensor):
+            if _tracing():
+                return None
+            offset = int(offset)
+        offsets.append(offset)
+    visible = offsets[0] + n - offsets[1]
+    return visible if 0 < visible <= m else None
+
+
+def _key_padding(attention_mask, kv_offset, m, visible):
+    """The (batch, m) boolean mask of keys kv_offset..kv_offset+m-1 that are neither padding nor
+    past `visible` (positions past the 2D mask are not yet written), or None when all `visible`
+    keys are real tokens (unknown while tracing: then the mask is returned)."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask.to(torch.bool)
+    if mask.dim() != 2:
+        raise ValueError(f"attention_ext.hf: expected transformers' 2D padding mask (batch, tokens), got shape "
+                         f"{tuple(attention_mask.shape)}")
+    short = kv_offset + m - mask.shape[-1]
+    if short > 0:
+        mask = torch.nn.functional.pad(mask, (0, short), value=False)
+    mask = mask[:, kv_offset:kv_offset + m]
+    if not _tracing() and bool(mask[:, :visible].all()):
+        return None
+    return mask
 
 
 def _packed_segments(position_ids, cu_seq_lens, batch, n):
@@ -130,10 +207,23 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(query.dtype)
     structure_only = mask is None  # transformers gave no mask: the layer's own rule is the whole structure
-    # Packed rows: only without cached keys (m == n). Left padding also shows in position_ids
-    # ([0, 0, 1, ...]), but the mask transformers gives then already hides the padding keys, so
-    # the segment mask below changes nothing there.
-    segments = _packed_segments(kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), batch, n) if m == n else None
+    # mask_function's key mask for a causal layer: the layer's rule applies on top of it, to the
+    # keys up to the newest query.
+    causal_keys = getattr(mask, _CAUSAL_KEYS, None)
+    key_padding = False
+    if causal_keys is not None:
+        visible, key_padding = causal_keys
+        key, value = key[:, :, :visible], value[:, :, :visible]
+        mask = mask[..., :visible] if key_padding else None
+        m = visible
+    structure = structure_only or causal_keys is not None
+    # Packed rows: only without cached keys (m == n), and not beside padding, which explains the
+    # restarts in position_ids (generate() gives padding position 1: [1, 1, 0, 1, 2, ...]), as in
+    # transformers' own packing detection. A full mask transformers gives also hides the padding
+    # keys, so the segment mask below changes nothing there.
+    segments = None
+    if m == n and not key_padding:
+        segments = _packed_segments(kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), batch, n)
     sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     # transformers' sliding window: attend iff 0 <= q_pos - k_pos < sliding_window.
     window = (int(sliding) - 1, None) if sliding is not None and causal_layer else None
@@ -153,8 +243,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             mask = mask & same
         else:
             mask = mask.masked_fill(~same, float("-inf"))
-    causal = "bottom_right" if structure_only and causal_layer else None
-    if not structure_only:
+    causal = "bottom_right" if structure and causal_layer else None
+    if not structure:
         window = None  # transformers' mask holds the window already
     options = dict(attn_mask=mask, causal=causal, window=window, softcap=softcap or None, scale=scaling,
                    enable_gqa=heads != key.shape[1])

@@ -4,7 +4,8 @@ Tiny randomly initialised models (no download) of every family the kernels' feat
 Llama (GQA), Mistral (sliding window shorter than the sequence), Qwen 2, Gemma 2 (softcap and
 alternating sliding / full layers), GPT-OSS (sinks, sliding layers), BERT (bidirectional, padding).
 Each gives the logits and every parameter gradient of attn_implementation="eager", generate()
-gives the same greedy tokens with dynamic and static caches, packed sequences equal the same
+gives eager's logits at every step with dynamic and static caches, padded or not (padding reaching
+the kernels as a mask over the keys, never a rows x keys one), packed sequences equal the same
 sequences run one by one, and a counter proves our attention function ran while torch's SDPA is
 booby-trapped (nothing may fall back to it).
 """
@@ -104,10 +105,18 @@ def test_left_padded_batches_equal_eager_on_the_real_tokens(family, no_sdpa):
 
 @pytest.mark.parametrize("family", DECODERS)
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_greedy_generation_gives_the_same_tokens(family, cache, no_sdpa):
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+def test_greedy_generation_gives_eager_logits_at_every_step(family, cache, padded, no_sdpa):
+    """Every step's logits, not only the tokens: a static cache holds slots past the newest token
+    (a prefill into it and each decode step must not see them), and a left-padded prompt's padding
+    keys stay hidden throughout."""
     model = build(family)
-    prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
-    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    prompt = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    if padded:
+        mask[1, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
     if cache == "static":
         kwargs["cache_implementation"] = "static"
     model.set_attn_implementation("eager")
@@ -115,8 +124,49 @@ def test_greedy_generation_gives_the_same_tokens(family, cache, no_sdpa):
     model.set_attn_implementation(NAME)
     before = hf.calls
     got = model.generate(prompt, **kwargs)
-    assert hf.calls - before >= 8 * model.config.num_hidden_layers
-    assert torch.equal(got, want)
+    assert hf.calls - before >= 6 * model.config.num_hidden_layers
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (a, b) in enumerate(zip(got.logits, want.logits)):
+        assert_same(a, b, f"logits of step {step}")
+
+
+@pytest.fixture
+def masks_seen(monkeypatch):
+    """The attention masks our kernels receive, and a trap on transformers' sdpa_mask for more
+    than one query row: padding must reach the kernels as a mask over the keys, not a rows x keys one."""
+    from transformers import masking_utils
+    full = masking_utils.sdpa_mask
+
+    def no_row_by_key_mask(*args, **kwargs):
+        if kwargs.get("q_length", args[1] if len(args) > 1 else 1) > 1:
+            raise AssertionError("transformers' sdpa_mask built a (batch, 1, n, m) mask")
+        return full(*args, **kwargs)
+    monkeypatch.setattr(masking_utils, "sdpa_mask", no_row_by_key_mask)
+    seen = []
+    kernel = hf.attention
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        seen.append(None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.stride()))
+        return kernel(query, key, value, attn_mask=attn_mask, **kwargs)
+    monkeypatch.setattr(hf, "attention", spy)
+    return seen
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_padding_and_a_static_cache_reach_the_kernels_as_a_mask_over_keys(family, masks_seen, no_sdpa):
+    model = build(family)
+    prompt = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :4] = 0
+    model.set_attn_implementation(NAME)
+    model.generate(prompt, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                   cache_implementation="static")
+    model(input_ids=prompt, attention_mask=mask).logits.sum().backward()
+    assert masks_seen
+    for seen in masks_seen:
+        if seen is not None:
+            shape, stride = seen
+            assert shape[-2] == 1 or stride[-2] == 0, f"a mask of shape {shape} with strides {stride}"
 
 
 @pytest.mark.parametrize("family", DECODERS)
@@ -187,6 +237,19 @@ def test_bert_with_padding_equals_eager(no_sdpa):
             assert hf.calls - before == 2
     real = mask.bool()
     assert_same(outputs[NAME][real], outputs["eager"][real], "hidden states")
+
+
+def test_bert_padding_reaches_the_kernels_as_a_mask_over_keys(masks_seen, no_sdpa):
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=64)
+    model = transformers.BertModel(config).eval()
+    model.set_attn_implementation(NAME)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, 7:] = 0
+    model(input_ids=torch.randint(0, VOCAB, (2, 10)), attention_mask=mask)
+    assert len(masks_seen) == 2
+    for shape, stride in masks_seen:
+        assert shape == (2, 1, 10, 10) and stride[-2] == 0  # the keys' padding, broadcast over the rows
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no_padding", "padding"])
