@@ -208,16 +208,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 or tuple(slopes.shape) not in ((heads,), (batch, heads)):
             _fail(TypeError, f"alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads})")
         slopes = slopes.unflatten(-1, (kv_heads, groups))
-    # One query row per entry (decode) with nothing that depends on the row's position (no window,
-    # no ALiBi; causal is then no rule at all): the groups of query heads sharing a KV head become
-    # rows of one call, so each K/V row is read once for all of them instead of once per head.
-    # (A right bound never hides a key from the last position's row.)
-    fold = seqlen_q == 1 and window_left < 0 and slopes is None and groups > 1
+    # (batch, kv_heads, groups, seqlen_q, d) against K/V (batch, kv_heads, 1, seqlen, d): the CPU
+    # decode kernel runs the groups sharing a KV head as the rows of one item, reading each K/V row
+    # once for all of them. The CUDA kernels do not group heads; for them one query row per entry
+    # with nothing that depends on the row's position (no window, no ALiBi; causal is then no rule
+    # at all, as a right bound never hides a key from the last position's row) is folded: the
+    # groups become the rows of one call.
+    fold = q.device.type == "cuda" and seqlen_q == 1 and window_left < 0 and slopes is None and groups > 1
     if fold:
         qh = q.reshape(batch, kv_heads, groups, q.shape[-1])  # (batch, kv_heads, groups as rows, d)
         kh, vh = (t.permute(0, 2, 1, 3) for t in (k_cache, v_cache))
     else:
-        qh = q.unflatten(2, (kv_heads, groups)).permute(0, 2, 3, 1, 4)  # (batch, kv_heads, groups, seqlen_q, d)
+        qh = q.unflatten(2, (kv_heads, groups)).permute(0, 2, 3, 1, 4)
         kh, vh = (t.permute(0, 2, 1, 3).unsqueeze(2) for t in (k_cache, v_cache))
     ends = torch.tensor([length + new for length in lengths], dtype=torch.int32)
     row_index = None if cache_batch_idx is None else torch.tensor(rows, dtype=torch.int32)

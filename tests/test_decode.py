@@ -145,3 +145,57 @@ def test_decode_no_keys_and_no_value_columns():
     assert out.shape == (2, 1, 5) and torch.all(out == 0) and torch.all(torch.isneginf(lse))
     out = scaled_dot_product_attention(q, rand(2, 700, 8), rand(2, 700, 0))
     assert out.shape == (2, 1, 0)
+
+
+# GQA: the query heads sharing a K/V head are the rows of one decode item (up to 32 rows: heads × n),
+# so each K/V row is read once for all of them. Every per-head part of the logits (ALiBi slopes,
+# masks, sinks, dropout draws) must still be the head's own. (8, 2, 5): 4 heads of a group per item;
+# (12, 2, 7): 3; (4, 1, 8): the whole group, 32 rows.
+GQA_DECODE = [(8, 2, 1), (8, 2, 3), (16, 2, 5), (12, 2, 7), (4, 1, 8)]
+
+
+@pytest.mark.parametrize("hq,hkv,n", GQA_DECODE, ids=[f"{a}q{b}kv_n{c}" for a, b, c in GQA_DECODE])
+@pytest.mark.parametrize("m", [1500, 200], ids=["split_keys", "one_range"])
+def test_decode_gqa_heads_keep_their_own_modifiers_and_masks(cpu_variant, hq, hkv, n, m):
+    g = torch.Generator().manual_seed(hq * 100 + n)
+    q = torch.randn(2, hq, n, 32, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, hkv, m, 32, dtype=torch.float64, generator=g) for _ in range(2))
+    mask = torch.rand(1, hq, n, m, generator=g) < 0.9
+    options = dict(causal="bottom_right", window=(m // 2, 0), softcap=30.0,
+                   alibi_slopes=torch.rand(hq, dtype=torch.float32, generator=g) / 8,
+                   sinks=torch.randn(hq, dtype=torch.float64, generator=g))
+    out, lse = attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True, **options)
+    ref, ref_lse, _ = attention_reference(q, k, v, mask, enable_gqa=True, **options)
+    assert_close_to_reference(out, ref, torch.float64)
+    assert_close_to_reference(lse, ref_lse, torch.float64, what="lse")
+
+
+@pytest.mark.parametrize("hq,hkv,n", [(8, 2, 1), (16, 2, 5)], ids=["8q2kv_n1", "16q2kv_n5"])
+def test_decode_gqa_dropout_draws_are_each_heads_own(hq, hkv, n):
+    p, m = 0.25, 1500
+    q = rand(1, hq, n, 16)
+    k, v = rand(1, hkv, m, 16), rand(1, hkv, m, 16)
+    torch.manual_seed(7)
+    keep = dropout_mask(draw_rng_state(), (1, hq, n, m), p)
+    torch.manual_seed(7)
+    out = scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=True)
+    ref = attention_reference(q, k, v, dropout_mask=keep, dropout_p=p, enable_gqa=True)[0]
+    assert_close_to_reference(out, ref, torch.float64)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_decode_gqa_low_precision_and_thread_count(n):
+    q = rand(1, 8, n, 64, dtype=torch.bfloat16)
+    k, v = rand(1, 2, 3000, 64, dtype=torch.bfloat16), rand(1, 2, 3000, 64, dtype=torch.bfloat16)
+    ref = attention_reference(q, k, v, enable_gqa=True)[0]
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            results.append(scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+    budget = low_precision_budget(((q, k, v), {"enable_gqa": True}), torch.bfloat16, ref)
+    assert_close_to_reference(results[0], ref, torch.bfloat16, budget=budget)

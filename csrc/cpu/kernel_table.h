@@ -19,6 +19,22 @@ constexpr int64_t kBlockM = 64;
 constexpr int64_t kBlockN = 64;
 // Calls with at most this many query rows take the decode forward (forward_decode below).
 constexpr int64_t kDecodeRows = 8;
+// The decode forward runs the query heads that share one K/V head (GQA: the innermost batch dim,
+// over which k and v are broadcast with stride 0) as the rows of one item, so that each K/V row
+// is read from memory once for all of them, not once per head: up to this many rows (heads × n).
+constexpr int64_t kDecodeGroupRows = 32;
+
+// Query heads per decode item: the largest divisor of the shared-K/V dim's size whose heads fit
+// kDecodeGroupRows rows (1 without such a dim). A function of the shape alone.
+inline int64_t decode_heads_per_item(const AttentionParams& p) {
+  if (p.batch_ndim == 0 || p.n == 0) return 1;
+  const int dim = p.batch_ndim - 1;
+  const int64_t size = p.batch_size[dim];
+  if (size <= 1 || p.k.batch_stride[dim] != 0 || p.v.batch_stride[dim] != 0) return 1;
+  for (int64_t heads = size; heads > 1; --heads)
+    if (size % heads == 0 && heads * p.n <= kDecodeGroupRows) return heads;
+  return 1;
+}
 
 // Each function processes work items [begin, end); items are independent and write disjoint
 // outputs, so any partition across threads gives bitwise identical results.
@@ -28,8 +44,8 @@ struct KernelTable {
   const char* name;
   // items: batch_numel * ceil(n / kBlockM). Writes out, lse.
   ItemFn forward;
-  // Decode forward, n <= kDecodeRows: items = batch_numel * kv_splits, each all n rows against
-  // one range of split_keys keys, reading K and V rows in place (no transposed packing). Writes
+  // Decode forward, n <= kDecodeRows: items = batch_numel / decode_heads_per_item * kv_splits,
+  // each all n rows of those heads against one range of split_keys keys, reading K and V rows in place (no transposed packing). Writes
   // out and lse when kv_splits == 1, else split_out / split_stats for forward_combine.
   ItemFn forward_decode;
   // items: batch_numel. Merges the kv_splits partial results of each row, in range order, into
