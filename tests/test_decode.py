@@ -148,18 +148,28 @@ def test_decode_no_keys_and_no_value_columns():
 
 
 # GQA: the query heads sharing a K/V head are the rows of one decode item (up to 32 rows: heads × n),
-# so each K/V row is read once for all of them. Every per-head part of the logits (ALiBi slopes,
+# so each K/V row is read once for all of them; K/V heads stored interleaved (tokens major) are
+# walked together, key tile by key tile. Every per-head part of the logits (ALiBi slopes,
 # masks, sinks, dropout draws) must still be the head's own. (8, 2, 5): 4 heads of a group per item;
 # (12, 2, 7): 3; (4, 1, 8): the whole group, 32 rows.
 GQA_DECODE = [(8, 2, 1), (8, 2, 3), (16, 2, 5), (12, 2, 7), (4, 1, 8)]
 
 
+def heads_then_tokens(batch, heads, rows, d, generator, tokens_major):
+    """(batch, heads, rows, d), stored as such or (tokens_major) as a (batch, rows, heads, d)
+    tensor, FlashAttention's and a KV cache's layout, whose K/V heads the kernel walks in lockstep."""
+    if tokens_major:
+        return torch.randn(batch, rows, heads, d, dtype=torch.float64, generator=generator).transpose(1, 2)
+    return torch.randn(batch, heads, rows, d, dtype=torch.float64, generator=generator)
+
+
 @pytest.mark.parametrize("hq,hkv,n", GQA_DECODE, ids=[f"{a}q{b}kv_n{c}" for a, b, c in GQA_DECODE])
 @pytest.mark.parametrize("m", [1500, 200], ids=["split_keys", "one_range"])
-def test_decode_gqa_heads_keep_their_own_modifiers_and_masks(cpu_variant, hq, hkv, n, m):
+@pytest.mark.parametrize("tokens_major", [False, True], ids=["heads_major", "tokens_major"])
+def test_decode_gqa_heads_keep_their_own_modifiers_and_masks(cpu_variant, hq, hkv, n, m, tokens_major):
     g = torch.Generator().manual_seed(hq * 100 + n)
-    q = torch.randn(2, hq, n, 32, dtype=torch.float64, generator=g)
-    k, v = (torch.randn(2, hkv, m, 32, dtype=torch.float64, generator=g) for _ in range(2))
+    q = heads_then_tokens(2, hq, n, 32, g, tokens_major)
+    k, v = (heads_then_tokens(2, hkv, m, 32, g, tokens_major) for _ in range(2))
     mask = torch.rand(1, hq, n, m, generator=g) < 0.9
     options = dict(causal="bottom_right", window=(m // 2, 0), softcap=30.0,
                    alibi_slopes=torch.rand(hq, dtype=torch.float32, generator=g) / 8,
@@ -170,11 +180,13 @@ def test_decode_gqa_heads_keep_their_own_modifiers_and_masks(cpu_variant, hq, hk
     assert_close_to_reference(lse, ref_lse, torch.float64, what="lse")
 
 
-@pytest.mark.parametrize("hq,hkv,n", [(8, 2, 1), (16, 2, 5)], ids=["8q2kv_n1", "16q2kv_n5"])
-def test_decode_gqa_dropout_draws_are_each_heads_own(hq, hkv, n):
+@pytest.mark.parametrize("hq,hkv,n", [(8, 2, 1), (16, 2, 5), (6, 6, 2)], ids=["8q2kv_n1", "16q2kv_n5", "6q6kv_n2"])
+@pytest.mark.parametrize("tokens_major", [False, True], ids=["heads_major", "tokens_major"])
+def test_decode_gqa_dropout_draws_are_each_heads_own(hq, hkv, n, tokens_major):
     p, m = 0.25, 1500
-    q = rand(1, hq, n, 16)
-    k, v = rand(1, hkv, m, 16), rand(1, hkv, m, 16)
+    g = torch.Generator().manual_seed(3)
+    q = heads_then_tokens(1, hq, n, 16, g, tokens_major)
+    k, v = (heads_then_tokens(1, hkv, m, 16, g, tokens_major) for _ in range(2))
     torch.manual_seed(7)
     keep = dropout_mask(draw_rng_state(), (1, hq, n, m), p)
     torch.manual_seed(7)
@@ -185,8 +197,9 @@ def test_decode_gqa_dropout_draws_are_each_heads_own(hq, hkv, n):
 
 @pytest.mark.parametrize("n", [1, 4])
 def test_decode_gqa_low_precision_and_thread_count(n):
-    q = rand(1, 8, n, 64, dtype=torch.bfloat16)
-    k, v = rand(1, 2, 3000, 64, dtype=torch.bfloat16), rand(1, 2, 3000, 64, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(n)
+    q = heads_then_tokens(1, 8, n, 64, g, True).to(torch.bfloat16)
+    k, v = (heads_then_tokens(1, 2, 3000, 64, g, True).to(torch.bfloat16) for _ in range(2))
     ref = attention_reference(q, k, v, enable_gqa=True)[0]
     threads = torch.get_num_threads()
     try:

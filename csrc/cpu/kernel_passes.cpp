@@ -102,7 +102,7 @@ constexpr int64_t kMinSplitKeys = 512;
 void set_decode_splits(AttentionParams& p) {
   p.split_key_begin = visible_key_tile_begin(p, 0, kBlockN);
   const int64_t keys = imax(1, visible_key_end(p, 0, p.n) - p.split_key_begin);
-  const int64_t groups = p.batch_numel / decode_heads_per_item(p);
+  const int64_t groups = p.batch_numel / decode_grouping(p).heads();
   int64_t splits = 1;
   if (groups < kDecodeItems) splits = imax(1, imin(ceil_div(kDecodeItems, groups), keys / kMinSplitKeys));
   p.split_keys = ceil_div(ceil_div(keys, splits), kBlockN) * kBlockN;
@@ -151,7 +151,7 @@ void run_forward(std::vector<AttentionParams>& calls, const at::Tensor& like) {
     }
   }
   run_pass(kernels.forward_decode, decode,
-           [](const AttentionParams& p) { return p.batch_numel / decode_heads_per_item(p) * p.kv_splits; });
+           [](const AttentionParams& p) { return p.batch_numel / decode_grouping(p).heads() * p.kv_splits; });
   run_pass(kernels.forward_combine, Calls(split.begin(), split.end()), [](const AttentionParams& p) { return p.batch_numel; });
 }
 

@@ -19,21 +19,46 @@ constexpr int64_t kBlockM = 64;
 constexpr int64_t kBlockN = 64;
 // Calls with at most this many query rows take the decode forward (forward_decode below).
 constexpr int64_t kDecodeRows = 8;
-// The decode forward runs the query heads that share one K/V head (GQA: the innermost batch dim,
-// over which k and v are broadcast with stride 0) as the rows of one item, so that each K/V row
-// is read from memory once for all of them, not once per head: up to this many rows (heads × n).
+// How the decode forward groups batch indices into one work item; a function of the shape alone.
+//   shared: the query heads that share one K/V head (GQA: the innermost batch dim, over which k
+//     and v are broadcast with stride 0) run as the rows of one tile, so each K/V row is read from
+//     memory once for all of them, not once per head: up to kDecodeGroupRows rows (heads × n).
+//   lockstep: K/V heads stored interleaved (a (tokens, heads, d) cache: the next batch dim out has
+//     a K and V stride below the row stride) are walked key tile by key tile together, so memory
+//     is read in storage order (one head at a time would read a few hundred bytes of each token's
+//     row and skip the rest, which defeats the hardware prefetchers and the TLB). Only with whole
+//     GQA groups, so that an item's batch indices are consecutive: up to kDecodeItemHeads heads.
 constexpr int64_t kDecodeGroupRows = 32;
+constexpr int64_t kDecodeItemHeads = 32;
 
-// Query heads per decode item: the largest divisor of the shared-K/V dim's size whose heads fit
-// kDecodeGroupRows rows (1 without such a dim). A function of the shape alone.
-inline int64_t decode_heads_per_item(const AttentionParams& p) {
-  if (p.batch_ndim == 0 || p.n == 0) return 1;
-  const int dim = p.batch_ndim - 1;
-  const int64_t size = p.batch_size[dim];
-  if (size <= 1 || p.k.batch_stride[dim] != 0 || p.v.batch_stride[dim] != 0) return 1;
-  for (int64_t heads = size; heads > 1; --heads)
-    if (size % heads == 0 && heads * p.n <= kDecodeGroupRows) return heads;
+struct DecodeGrouping {
+  int64_t shared = 1;
+  int64_t lockstep = 1;
+  int64_t heads() const { return shared * lockstep; }  // consecutive batch indices per item
+};
+
+inline int64_t largest_divisor_at_most(int64_t size, int64_t limit) {
+  for (int64_t d = limit < size ? limit : size; d > 1; --d)
+    if (size % d == 0) return d;
   return 1;
+}
+
+inline DecodeGrouping decode_grouping(const AttentionParams& p) {
+  DecodeGrouping g;
+  if (p.n == 0 || p.n > kDecodeGroupRows) return g;
+  int dim = p.batch_ndim - 1;
+  if (dim >= 0 && p.batch_size[dim] > 1 && p.k.batch_stride[dim] == 0 && p.v.batch_stride[dim] == 0) {
+    g.shared = largest_divisor_at_most(p.batch_size[dim], kDecodeGroupRows / p.n);
+    if (g.shared != p.batch_size[dim]) return g;
+    --dim;
+  }
+  auto below_rows = [](int64_t stride, int64_t row_stride) {
+    return stride != 0 && (stride < 0 ? -stride : stride) < (row_stride < 0 ? -row_stride : row_stride);
+  };
+  if (dim >= 0 && p.batch_size[dim] > 1 && below_rows(p.k.batch_stride[dim], p.k.row_stride) &&
+      below_rows(p.v.batch_stride[dim], p.v.row_stride))
+    g.lockstep = largest_divisor_at_most(p.batch_size[dim], kDecodeItemHeads / g.shared);
+  return g;
 }
 
 // Each function processes work items [begin, end); items are independent and write disjoint
@@ -44,7 +69,7 @@ struct KernelTable {
   const char* name;
   // items: batch_numel * ceil(n / kBlockM). Writes out, lse.
   ItemFn forward;
-  // Decode forward, n <= kDecodeRows: items = batch_numel / decode_heads_per_item * kv_splits,
+  // Decode forward, n <= kDecodeRows: items = batch_numel / decode_grouping(p).heads() * kv_splits,
   // each all n rows of those heads against one range of split_keys keys, reading K and V rows in place (no transposed packing). Writes
   // out and lse when kv_splits == 1, else split_out / split_stats for forward_combine.
   ItemFn forward_decode;
