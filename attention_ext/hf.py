@@ -33,6 +33,8 @@ transformers is an optional dependency (`pip install attention_ext[hf]`), import
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .api import attention, attention_weights
@@ -111,10 +113,11 @@ def mask_function(*args, **kwargs):
     return sdpa_mask(**call)
 
 
+@functools.lru_cache(maxsize=None)
 def _sdpa_mask_parameters():
     import inspect
     from transformers.masking_utils import sdpa_mask
-    return list(inspect.signature(sdpa_mask).parameters)
+    return tuple(inspect.signature(sdpa_mask).parameters)
 
 
 def _tracing():

@@ -125,16 +125,22 @@ def test_decode_gradients_gradcheck():
         lambda q, k, v, mask: attention(q, k, v, attn_mask=mask, causal="bottom_right"), (q, k, v, mask))
 
 
-def test_decode_is_bitwise_independent_of_thread_count():
-    q, k, v = qkv(SPLIT["batch"], 1, SPLIT["m"], dtype=torch.float32)
+def on_thread_counts(fn, counts=(1, 2, 3)):
+    """fn() run with each of torch's thread counts in turn."""
     threads = torch.get_num_threads()
     try:
         results = []
-        for t in (1, 2, 3):
+        for t in counts:
             torch.set_num_threads(t)
-            results.append(attention(q, k, v, return_lse=True))
+            results.append(fn())
+        return results
     finally:
         torch.set_num_threads(threads)
+
+
+def test_decode_is_bitwise_independent_of_thread_count():
+    q, k, v = qkv(SPLIT["batch"], 1, SPLIT["m"], dtype=torch.float32)
+    results = on_thread_counts(lambda: attention(q, k, v, return_lse=True))
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
 
@@ -201,14 +207,7 @@ def test_decode_gqa_low_precision_and_thread_count(n):
     q = heads_then_tokens(1, 8, n, 64, g, True).to(torch.bfloat16)
     k, v = (heads_then_tokens(1, 2, 3000, 64, g, True).to(torch.bfloat16) for _ in range(2))
     ref = attention_reference(q, k, v, enable_gqa=True)[0]
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
-            results.append(scaled_dot_product_attention(q, k, v, enable_gqa=True))
-    finally:
-        torch.set_num_threads(threads)
+    results = on_thread_counts(lambda: scaled_dot_product_attention(q, k, v, enable_gqa=True))
     assert all(torch.equal(r, results[0]) for r in results[1:])
     budget = low_precision_budget(((q, k, v), {"enable_gqa": True}), torch.bfloat16, ref)
     assert_close_to_reference(results[0], ref, torch.bfloat16, budget=budget)
