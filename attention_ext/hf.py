@@ -20,9 +20,9 @@ training and generate() alike:
     the packing (a training forward with the default use_cache=True), so no sequence attends to
     another. Without a mask from transformers they run as packed variable-length batches
     (attention_ext.varlen): cost Σ n_b², no mask.
-  * padding, and a static cache's slots past the newest token: a (batch, 1, 1, m) mask over the
-    keys, with the layer's rule applied by the kernels on top (mask_function), never an (n x m)
-    mask.
+  * padding, and a static cache's slots past the newest token: a (batch, 1, 1, keys) mask over
+    the keys, with the layer's rule applied by the kernels on top (mask_function), never a
+    materialised (n x m) mask.
 What keeps transformers' (batch, 1, n, m) mask: packed sequences when transformers' mask code saw
 the packing (use_cache=False; a block-diagonal mask, applied as given) or the weights are asked
 for, a bidirectional sliding window (ModernBERT's local layers), chunked attention, a compiled
@@ -40,7 +40,7 @@ import torch
 from .api import attention, attention_weights
 from .varlen import varlen_attention
 
-__all__ = ["register", "attention_forward", "mask_function", "calls"]
+__all__ = ["register", "attention_forward", "mask_function", "CausalKeyMask", "calls"]
 
 # Number of attention calls served by attention_forward since import (tests read it to prove the
 # kernels ran).
@@ -61,11 +61,13 @@ def register(name: str = "attention_ext") -> str:
     return name
 
 
-# The attribute mask_function sets on the (batch, 1, 1, m) key masks it returns for causal layers:
-# (visible, padded). Only the first `visible` keys can be seen (a static cache's slots past the
-# newest token are not), the layer's causal rule and window apply to them bottom-right aligned,
-# and `padded` says whether the mask also hides padding keys among them.
-_CAUSAL_KEYS = "_attention_ext_causal_keys"
+class CausalKeyMask(torch.Tensor):
+    """The mask mask_function gives a causal layer with padding or a static cache: (batch, 1, 1,
+    visible) booleans over the first `visible` keys, the ones up to the newest query (a static
+    cache's slots past it are not), True for a real token. attention_forward applies the layer's
+    causal rule and window to those keys, bottom-right aligned. A tensor subclass, so that what
+    transformers and accelerate do to masks on the way (.contiguous(), .to(device)) keeps it one;
+    a narrower mask than the keys is no mask transformers or eager attention would accept."""
 
 
 def mask_function(*args, **kwargs):
@@ -75,21 +77,21 @@ def mask_function(*args, **kwargs):
       queries being the last positions of the keys) or bidirectional, plus a causal sliding window,
       which attention_forward passes to the kernels as transformers' FlashAttention path does;
     * with the same structure but padding, or a static cache whose newest token is not its last
-      slot: a (batch, 1, 1, m) boolean mask over the keys. A causal layer's carries a marker
-      (_CAUSAL_KEYS): attention_forward drops the slots past the newest token and applies the causal
-      rule and window to the rest. A bidirectional layer's is broadcast over the rows (a stride-0
-      view). No (n x m) mask is built either way;
+      slot: a boolean mask over the keys. A causal layer's is a CausalKeyMask (batch, 1, 1,
+      visible): attention_forward drops the slots past the newest token and applies the causal rule
+      and window to the rest. A bidirectional layer's is broadcast over the rows (a stride-0 view of
+      (batch, 1, 1, m)). No (n x m) mask is materialised either way;
     * transformers' sdpa mask (batch, 1, n, m) otherwise: extra mask functions (image tokens,
-      prefix-LM), packing transformers saw, chunked attention, a bidirectional window, a compiled
-      decode step.
+      prefix-LM), packing transformers saw, chunked attention, a bidirectional window, a one-row
+      step on a compileable (static) cache.
     """
     from transformers.masking_utils import sdpa_mask
     call = dict(zip(_sdpa_mask_parameters(), args))
     call.update(kwargs)
     n, m, kv_offset = call["q_length"], call["kv_length"], call.get("kv_offset", 0)
     # transformers allows a skip only where the mask is pure structure (no extra mask functions, no
-    # packing it saw, not a compiled decode step). Chunked attention is no window: it has no
-    # structure in the kernels.
+    # packing it saw, not a one-row step on a compileable cache). Chunked attention is no window:
+    # it has no structure in the kernels.
     causal = (call.setdefault("allow_is_causal_skip", True)
               and getattr(call.get("config"), "attention_chunk_size", None) is None)
     visible = _keys_up_to_the_newest_query(call.get("q_offset", 0), n, kv_offset, m) if causal else None
@@ -97,10 +99,9 @@ def mask_function(*args, **kwargs):
         padding = _key_padding(call.get("attention_mask"), kv_offset, m, visible)
         if padding is None and visible == m:
             return None
-        keys = (padding if padding is not None else torch.ones(call["batch_size"], m, dtype=torch.bool,
-                                                               device=call.get("device", "cpu")))[:, None, None, :]
-        setattr(keys, _CAUSAL_KEYS, (visible, padding is not None))
-        return keys
+        if padding is None:
+            padding = torch.ones(call["batch_size"], m, dtype=torch.bool, device=call.get("device", "cpu"))
+        return padding[:, :visible].contiguous()[:, None, None, :].as_subclass(CausalKeyMask)
     # Anything else keeps transformers' own mask, with its skips only where None means the same
     # to the kernels (bottom-right alignment) as to torch's SDPA.
     call["allow_is_causal_skip"] = False
@@ -113,11 +114,15 @@ def mask_function(*args, **kwargs):
     return sdpa_mask(**call)
 
 
-@functools.lru_cache(maxsize=None)
 def _sdpa_mask_parameters():
-    import inspect
     from transformers.masking_utils import sdpa_mask
-    return tuple(inspect.signature(sdpa_mask).parameters)
+    return _parameter_names(sdpa_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameter_names(fn):
+    import inspect
+    return tuple(inspect.signature(fn).parameters)
 
 
 def _tracing():
@@ -204,22 +209,20 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("attention_ext.hf: position_bias (T5-style relative biases) is not supported yet")
     batch, heads, n = query.shape[0], query.shape[1], query.shape[2]
-    m = key.shape[2]
+    m = all_keys = key.shape[2]
     causal_layer = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     mask = attention_mask
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(query.dtype)
     structure_only = mask is None  # transformers gave no mask: the layer's own rule is the whole structure
     # mask_function's key mask for a causal layer: the layer's rule applies on top of it, to the
     # keys up to the newest query.
-    causal_keys = getattr(mask, _CAUSAL_KEYS, None)
-    key_padding = False
-    if causal_keys is not None:
-        visible, key_padding = causal_keys
-        key, value = key[:, :, :visible], value[:, :, :visible]
-        mask = mask[..., :visible] if key_padding else None
-        m = visible
-    structure = structure_only or causal_keys is not None
+    key_padding = isinstance(mask, CausalKeyMask)
+    if key_padding:
+        mask = mask.as_subclass(torch.Tensor)
+        m = mask.shape[-1]
+        key, value = key[:, :, :m], value[:, :, :m]
+    elif mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(query.dtype)
+    structure = structure_only or key_padding
     # Packed rows: only without cached keys (m == n), and not beside padding, which explains the
     # restarts in position_ids (generate() gives padding position 1: [1, 1, 0, 1, 2, ...]), as in
     # transformers' own packing detection. A full mask transformers gives also hides the padding
@@ -255,4 +258,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     weights = None
     if kwargs.get("output_attentions", False):
         weights = attention_weights(query, key, sinks=sinks, **options)
+        if m < all_keys:  # a static cache's slots past the newest token: weight 0, as eager gives them
+            weights = torch.nn.functional.pad(weights, (0, all_keys - m))
     return out.transpose(1, 2).contiguous(), weights

@@ -130,6 +130,32 @@ def test_greedy_generation_gives_eager_logits_at_every_step(family, cache, padde
         assert_same(a, b, f"logits of step {step}")
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_the_key_mask_survives_copies_on_the_way(family, no_sdpa):
+    """transformers' generate() makes masks contiguous, accelerate moves them between devices: a
+    copy of the key mask must still say it is one (else the causal rule would be lost)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def copying_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        copied = None if attention_mask is None else attention_mask.clone()
+        return hf.attention_forward(module, query, key, value, copied, *args, **kwargs)
+    AttentionInterface.register("attention_ext_copying", copying_attention)
+    AttentionMaskInterface.register("attention_ext_copying", hf.mask_function)
+    model = build(family)
+    prompt = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True, cache_implementation="static")
+    model.set_attn_implementation("eager")
+    want = model.generate(prompt, **kwargs)
+    model.set_attn_implementation("attention_ext_copying")
+    got = model.generate(prompt, **kwargs)
+    for step, (a, b) in enumerate(zip(got.logits, want.logits)):
+        assert_same(a, b, f"logits of step {step}")
+
+
 @pytest.fixture
 def masks_seen(monkeypatch):
     """The attention masks our kernels receive, and a trap on transformers' sdpa_mask for more
@@ -218,6 +244,25 @@ def test_output_attentions_are_the_exact_weights(no_sdpa):
     for a, b in zip(got, want):  # (the sink's column dropped in both)
         assert a.shape == b.shape
         assert_same(a, b, "attention weights")
+
+
+def test_output_attentions_with_a_static_cache_cover_every_slot(no_sdpa):
+    """The weights of a static cache's unfilled slots are 0 and still there, as eager gives them."""
+    model = build("llama")
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0, output_attentions=True,
+                  return_dict_in_generate=True, cache_implementation="static")
+    model.set_attn_implementation("eager")
+    want = model.generate(ids, **kwargs).attentions
+    model.set_attn_implementation(NAME)
+    got = model.generate(ids, **kwargs).attentions
+    for step_got, step_want in zip(got, want):
+        for a, b in zip(step_got, step_want):
+            assert a.shape == b.shape
+            real_rows = mask.bool()[:, -a.shape[2]:]  # (a padded query row's weights are not defined alike)
+            assert_same(a.transpose(1, 2)[real_rows], b.transpose(1, 2)[real_rows], "attention weights")
 
 
 def test_bert_with_padding_equals_eager(no_sdpa):

@@ -94,7 +94,8 @@ bool use_fused_backward(const AttentionParams& p, const std::string& forced) {
 
 // Key ranges of the decode forward (n <= kDecodeRows). A function of the shape alone, never of
 // the thread count, so results are bitwise the same on any number of threads: enough items to
-// keep a large pool busy, each range at least kMinSplitKeys keys so that merging stays cheap.
+// keep a large pool busy, each range at least kMinSplitKeys keys of one K/V head (K/V heads
+// walked in lockstep share the minimum) so that merging stays cheap.
 constexpr int64_t kDecodeItems = 64;
 constexpr int64_t kMinSplitKeys = 512;
 
@@ -102,9 +103,11 @@ constexpr int64_t kMinSplitKeys = 512;
 void set_decode_splits(AttentionParams& p) {
   p.split_key_begin = visible_key_tile_begin(p, 0, kBlockN);
   const int64_t keys = imax(1, visible_key_end(p, 0, p.n) - p.split_key_begin);
-  const int64_t groups = p.batch_numel / decode_grouping(p).heads();
+  const DecodeGrouping grouping = decode_grouping(p);
+  const int64_t head_groups = p.batch_numel / grouping.heads();
   int64_t splits = 1;
-  if (groups < kDecodeItems) splits = imax(1, imin(ceil_div(kDecodeItems, groups), keys / kMinSplitKeys));
+  if (head_groups < kDecodeItems)
+    splits = imax(1, imin(ceil_div(kDecodeItems, head_groups), keys * grouping.lockstep / kMinSplitKeys));
   p.split_keys = ceil_div(ceil_div(keys, splits), kBlockN) * kBlockN;
   p.kv_splits = ceil_div(keys, p.split_keys);
 }

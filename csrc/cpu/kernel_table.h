@@ -30,6 +30,7 @@ constexpr int64_t kDecodeRows = 8;
 //     GQA groups, so that an item's batch indices are consecutive: up to kDecodeItemHeads heads.
 constexpr int64_t kDecodeGroupRows = 32;
 constexpr int64_t kDecodeItemHeads = 32;
+static_assert(kDecodeGroupRows <= kDecodeItemHeads, "an item holds at least one whole GQA group");
 
 struct DecodeGrouping {
   int64_t shared = 1;
@@ -46,11 +47,14 @@ inline int64_t largest_divisor_at_most(int64_t size, int64_t limit) {
 inline DecodeGrouping decode_grouping(const AttentionParams& p) {
   DecodeGrouping g;
   if (p.n == 0 || p.n > kDecodeGroupRows) return g;
+  // (Dims of size 1, e.g. a group of one query head per K/V head, change no batch index.)
   int dim = p.batch_ndim - 1;
-  if (dim >= 0 && p.batch_size[dim] > 1 && p.k.batch_stride[dim] == 0 && p.v.batch_stride[dim] == 0) {
+  while (dim >= 0 && p.batch_size[dim] == 1) --dim;
+  if (dim >= 0 && p.k.batch_stride[dim] == 0 && p.v.batch_stride[dim] == 0) {
     g.shared = largest_divisor_at_most(p.batch_size[dim], kDecodeGroupRows / p.n);
     if (g.shared != p.batch_size[dim]) return g;
     --dim;
+    while (dim >= 0 && p.batch_size[dim] == 1) --dim;
   }
   auto below_rows = [](int64_t stride, int64_t row_stride) {
     return stride != 0 && (stride < 0 ? -stride : stride) < (row_stride < 0 ? -row_stride : row_stride);
