@@ -280,10 +280,11 @@ def test_forced_tiled_forward_runs_instead_of_decode(force):
 
 def test_split_key_shape_takes_the_split_path():
     # The same problem once alone (two key ranges merged) and as one of 64 (batch, head) pairs
-    # (one range each, no merge): the merge rounds differently.
+    # (one range each, no merge): the merge rounds differently. Each pair has K/V of its own (a
+    # broadcast K/V would make the pairs rows of shared work items, split like the single pair).
     q, k, v = (t.detach() for t in qkv(3, SPLIT_KEYS, dv=16))
     alone = attention(q, k, v)
-    in_batch = attention(q.expand(64, 1, -1, -1), k.expand(64, 1, -1, -1), v.expand(64, 1, -1, -1))
+    in_batch = attention(*(t.expand(64, 1, -1, -1).contiguous() for t in (q, k, v)))
     torch.testing.assert_close(alone, in_batch[:1], atol=1e-13, rtol=0)
     assert not torch.equal(alone, in_batch[:1]), f"{SPLIT_KEYS} keys for one pair did not split the keys"
 
