@@ -103,6 +103,22 @@ def test_left_padded_batches_equal_eager_on_the_real_tokens(family, no_sdpa):
     assert_same(got[real], want[real], "logits")
 
 
+def prompt_of(length, padding, seed=3):
+    """Two prompts of `length` tokens, the second left-padded by `padding`, and their 2D mask."""
+    prompt = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(prompt)
+    mask[1, :padding] = 0
+    return prompt, mask
+
+
+def generate_with(model, impl, prompt, **kwargs):
+    """(generate() with `impl`, the same with eager attention)."""
+    model.set_attn_implementation("eager")
+    want = model.generate(prompt, **kwargs)
+    model.set_attn_implementation(impl)
+    return model.generate(prompt, **kwargs), want
+
+
 @pytest.mark.parametrize("family", DECODERS)
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
@@ -111,19 +127,13 @@ def test_greedy_generation_gives_eager_logits_at_every_step(family, cache, padde
     (a prefill into it and each decode step must not see them), and a left-padded prompt's padding
     keys stay hidden throughout."""
     model = build(family)
-    prompt = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(prompt)
-    if padded:
-        mask[1, :4] = 0
+    prompt, mask = prompt_of(9, 4 if padded else 0)
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
                   return_dict_in_generate=True)
     if cache == "static":
         kwargs["cache_implementation"] = "static"
-    model.set_attn_implementation("eager")
-    want = model.generate(prompt, **kwargs)
-    model.set_attn_implementation(NAME)
     before = hf.calls
-    got = model.generate(prompt, **kwargs)
+    got, want = generate_with(model, NAME, prompt, **kwargs)
     assert hf.calls - before >= 6 * model.config.num_hidden_layers
     assert torch.equal(got.sequences, want.sequences)
     for step, (a, b) in enumerate(zip(got.logits, want.logits)):
@@ -142,16 +152,10 @@ def test_the_key_mask_survives_copies_on_the_way(family, no_sdpa):
         return hf.attention_forward(module, query, key, value, copied, *args, **kwargs)
     AttentionInterface.register("attention_ext_copying", copying_attention)
     AttentionMaskInterface.register("attention_ext_copying", hf.mask_function)
-    model = build(family)
-    prompt = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(prompt)
-    mask[1, :4] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
-                  return_dict_in_generate=True, cache_implementation="static")
-    model.set_attn_implementation("eager")
-    want = model.generate(prompt, **kwargs)
-    model.set_attn_implementation("attention_ext_copying")
-    got = model.generate(prompt, **kwargs)
+    prompt, mask = prompt_of(9, 4)
+    got, want = generate_with(build(family), "attention_ext_copying", prompt, attention_mask=mask, max_new_tokens=4,
+                              do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                              cache_implementation="static")
     for step, (a, b) in enumerate(zip(got.logits, want.logits)):
         assert_same(a, b, f"logits of step {step}")
 
@@ -181,9 +185,7 @@ def masks_seen(monkeypatch):
 @pytest.mark.parametrize("family", DECODERS)
 def test_padding_and_a_static_cache_reach_the_kernels_as_a_mask_over_keys(family, masks_seen, no_sdpa):
     model = build(family)
-    prompt = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(prompt)
-    mask[1, :4] = 0
+    prompt, mask = prompt_of(9, 4)
     model.set_attn_implementation(NAME)
     model.generate(prompt, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
                    cache_implementation="static")
@@ -248,17 +250,11 @@ def test_output_attentions_are_the_exact_weights(no_sdpa):
 
 def test_output_attentions_with_a_static_cache_cover_every_slot(no_sdpa):
     """The weights of a static cache's unfilled slots are 0 and still there, as eager gives them."""
-    model = build("llama")
-    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0, output_attentions=True,
-                  return_dict_in_generate=True, cache_implementation="static")
-    model.set_attn_implementation("eager")
-    want = model.generate(ids, **kwargs).attentions
-    model.set_attn_implementation(NAME)
-    got = model.generate(ids, **kwargs).attentions
-    for step_got, step_want in zip(got, want):
+    ids, mask = prompt_of(7, 2, seed=4)
+    got, want = generate_with(build("llama"), NAME, ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                              pad_token_id=0, output_attentions=True, return_dict_in_generate=True,
+                              cache_implementation="static")
+    for step_got, step_want in zip(got.attentions, want.attentions):
         for a, b in zip(step_got, step_want):
             assert a.shape == b.shape
             real_rows = mask.bool()[:, -a.shape[2]:]  # (a padded query row's weights are not defined alike)
