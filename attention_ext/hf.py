@@ -99,9 +99,9 @@ def mask_function(*args, **kwargs):
         padding = _key_padding(call.get("attention_mask"), kv_offset, m, visible)
         if padding is None and visible == m:
             return None
-        if padding is None:
-            padding = torch.ones(call["batch_size"], m, dtype=torch.bool, device=call.get("device", "cpu"))
-        return padding[:, :visible].contiguous()[:, None, None, :].as_subclass(CausalKeyMask)
+        keys = (padding[:, :visible].contiguous() if padding is not None
+                else torch.ones(call["batch_size"], visible, dtype=torch.bool, device=call.get("device", "cpu")))
+        return keys[:, None, None, :].as_subclass(CausalKeyMask)
     # Anything else keeps transformers' own mask, with its skips only where None means the same
     # to the kernels (bottom-right alignment) as to torch's SDPA.
     call["allow_is_causal_skip"] = False

@@ -155,7 +155,8 @@ void run_forward(std::vector<AttentionParams>& calls, const at::Tensor& like) {
   }
   run_pass(kernels.forward_decode, decode,
            [](const AttentionParams& p) { return p.batch_numel / decode_grouping(p).heads() * p.kv_splits; });
-  run_pass(kernels.forward_combine, Calls(split.begin(), split.end()), [](const AttentionParams& p) { return p.batch_numel; });
+  run_pass(kernels.forward_combine, Calls(split.begin(), split.end()),
+           [](const AttentionParams& p) { return p.batch_numel; });
 }
 
 void run_backward(const std::vector<AttentionParams>& calls, const BackwardOutputs& outputs) {

@@ -74,8 +74,9 @@ struct KernelTable {
   // items: batch_numel * ceil(n / kBlockM). Writes out, lse.
   ItemFn forward;
   // Decode forward, n <= kDecodeRows: items = batch_numel / decode_grouping(p).heads() * kv_splits,
-  // each all n rows of those heads against one range of split_keys keys, reading K and V rows in place (no transposed packing). Writes
-  // out and lse when kv_splits == 1, else split_out / split_stats for forward_combine.
+  // each all n rows of those heads against one range of split_keys keys, reading K and V rows in
+  // place (no transposed packing). Writes out and lse when kv_splits == 1, else split_out /
+  // split_stats for forward_combine.
   ItemFn forward_decode;
   // items: batch_numel. Merges the kv_splits partial results of each row, in range order, into
   // out and lse.
