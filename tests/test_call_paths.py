@@ -155,3 +155,37 @@ def test_every_other_call_takes_the_full_path_and_its_checks(monkeypatch):
         attention_ext.scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(0.0))
     with pytest.raises(ValueError, match="causal must be"):
         attention_ext.attention(q, k, v, causal="upper")
+
+
+def test_scratch_beyond_the_thread_buffer_and_small_calls_between_give_the_same_results(monkeypatch):
+    """The kernels' scratch tiles come from a per-thread buffer kept between calls; a chunk that
+    needs more than it may hold (8 MiB: here the fused backward's dQ rows of a 17000-row query)
+    gets heap memory, and the buffer grows for what fits. Calls of both kinds, interleaved and
+    repeated, give the reference's results and the same bits every time."""
+    from attention_ext.reference import attention_reference
+    monkeypatch.setenv("ATTENTION_EXT_CPU_BACKWARD", "fused")
+    g = torch.Generator().manual_seed(3)
+
+    def case(n, m, d):
+        q, k, v = (torch.randn(1, 2, length, d, generator=g) for length in (n, m, m))
+        return q, k, v, torch.randn(1, 2, n, d, generator=g)
+
+    def run(q, k, v, grad_out):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention_ext.attention(*leaves, causal="bottom_right")
+        out.backward(grad_out)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    big, small = case(17000, 16, 128), case(5, 70, 16)
+    first = {}
+    for name in ("small", "big", "small", "big", "small"):
+        q, k, v, grad_out = big if name == "big" else small
+        result = run(q, k, v, grad_out)
+        if name not in first:
+            first[name] = result
+            leaves = [t.double().requires_grad_() for t in (q, k, v)]
+            expected, _, _ = attention_reference(*leaves, causal="bottom_right")
+            expected.backward(grad_out.double())
+            for got, want in zip(result, [expected.detach()] + [t.grad for t in leaves]):
+                torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+        assert all(torch.equal(a, b) for a, b in zip(result, first[name])), name

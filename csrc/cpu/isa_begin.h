@@ -17,11 +17,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <memory>
 #include <type_traits>
 
 #include "../attention_semantics.h"
 #include "../philox.h"
 #include "kernel_table.h"
+#include "scratch_arena.h"
 
 #if defined(ATTN_ISA_AVX512BF16) || defined(ATTN_ISA_AVX512) || defined(ATTN_ISA_AVX2)
 #if !(defined(__x86_64__) || defined(_M_X64))

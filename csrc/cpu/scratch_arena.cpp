@@ -1,0 +1,60 @@
+// The per-thread scratch stack (scratch_arena.h).
+#include "scratch_arena.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+
+#include <algorithm>
+
+namespace attention_ext {
+namespace cpu {
+namespace {
+
+struct Arena {
+  char* base = nullptr;
+  size_t capacity = 0;  // bytes at base
+  size_t used = 0;      // the stack's top
+  size_t wanted = 0;    // the largest stack a chunk asked for (bounded), the next capacity
+  int64_t live = 0;     // blocks not yet released, the arena's and the heap's
+  ~Arena() { free(base); }
+};
+
+thread_local Arena arena;
+
+}  // namespace
+
+void* scratch_acquire(size_t bytes) {
+  Arena& a = arena;
+  if (a.live == 0 && a.wanted > a.capacity) {  // nothing handed out: safe to move the buffer
+    free(a.base);
+    a.base = static_cast<char*>(aligned_alloc(64, a.wanted));
+    a.capacity = a.base == nullptr ? 0 : a.wanted;
+    a.used = 0;
+  }
+  void* out;
+  if (a.used + bytes <= a.capacity) {
+    out = a.base + a.used;
+    a.used += bytes;
+  } else {
+    if (a.used + bytes <= kScratchArenaMaxBytes) a.wanted = std::max(a.wanted, a.used + bytes);
+    out = aligned_alloc(64, bytes);
+    if (out == nullptr) abort();
+  }
+  ++a.live;
+  return out;
+}
+
+void scratch_release(void* ptr, size_t bytes) {
+  Arena& a = arena;
+  char* p = static_cast<char*>(ptr);
+  --a.live;
+  if (a.base != nullptr && p >= a.base && p < a.base + a.capacity) {
+    if (p + bytes == a.base + a.used) a.used -= bytes;
+  } else {
+    free(ptr);
+  }
+  if (a.live == 0) a.used = 0;
+}
+
+}  // namespace cpu
+}  // namespace attention_ext
