@@ -9,9 +9,37 @@ from ._build import load_extension
 from . import _arguments
 from ._constants import lse_dtype
 
-load_extension()
+_LOADED_FROM = load_extension()
 
 ops = torch.ops.attention_ext
+
+# The prebuilt extension's direct entries to attention_fwd / attention_bwd (csrc/module.cpp): the
+# same op through the dispatcher without torch.ops' per-argument conversion (~6 µs a call). A JIT
+# build has none; either answers None where the call must go through torch.ops.
+_direct = None
+if _LOADED_FROM.startswith("prebuilt:"):
+    from . import _C as _compiled
+    _direct = _compiled if hasattr(_compiled, "fwd_below_autograd") else None
+
+
+def fwd_below_autograd(*args):
+    """ops.attention_fwd(*args) below the autograd keys (where autograd has nothing to record)."""
+    if _direct is not None and not torch.compiler.is_compiling():
+        result = _direct.fwd_below_autograd(*args)
+        if result is not None:
+            return result
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        return ops.attention_fwd(*args)
+
+
+def bwd_below_autograd(*args):
+    """ops.attention_bwd(*args) below the autograd keys (a backward that keeps no graph)."""
+    if _direct is not None and not torch.compiler.is_compiling():
+        result = _direct.bwd_below_autograd(*args)
+        if result is not None:
+            return result
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        return ops.attention_bwd(*args)
 
 
 def _batch_shape(*tensors):

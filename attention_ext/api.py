@@ -19,7 +19,7 @@ import torch.autograd.forward_ad as _forward_ad  # its _current_level: whether a
 
 from ._arguments import band_rules, dropout_rules, enforce, mask_rules, per_head_rules, qkv_rules, scale_rules
 from ._constants import CAUSAL_CODES, FLOAT_DTYPES, lse_dtype, scale_overflows
-from ._ops import ops
+from ._ops import fwd_below_autograd, ops
 from .function import AttentionFunction, AttentionWeightsFunction, _below_autograd
 
 
@@ -270,6 +270,8 @@ def _call(op, function, args, *differentiable):
         return op(*args)
     if _needs_autograd(*differentiable):
         return function.apply(*args)
+    if op is ops.attention_fwd:
+        return fwd_below_autograd(*args)
     with _below_autograd():
         return op(*args)
 

@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - torch without it has no dead wrappers 
         return args
 
 from ._constants import CAUSAL_NAMES, lse_dtype
-from ._ops import ops
+from ._ops import bwd_below_autograd, fwd_below_autograd, ops
 from .reference import masked_scores, softmax_lse
 
 
@@ -105,8 +105,7 @@ def _backward(ctx, grad_out, grad_lse):
     if torch.is_grad_enabled():  # create_graph=True: keep the graph for double backward
         dq, dk, dv, dmask = AttentionBackward.apply(*args)
     else:
-        with _below_autograd():
-            dq, dk, dv, dmask = ops.attention_bwd(*args)
+        dq, dk, dv, dmask = bwd_below_autograd(*args)
     return (dq, dk, dv, (dmask if mask_grad else None)) + (None,) * 6 + (dsinks, None, None)
 
 
@@ -117,9 +116,8 @@ class AttentionFunction(_PositionalApply, torch.autograd.Function):
     @staticmethod
     def forward(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
                 sinks, dropout_p, rng_state):
-        with _below_autograd():
-            return ops.attention_fwd(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap,
-                                     alibi_slopes, sinks, dropout_p, rng_state)
+        return fwd_below_autograd(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap,
+                                  alibi_slopes, sinks, dropout_p, rng_state)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -293,10 +291,9 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
     @staticmethod
     def forward(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal, window_left,
                 window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state, mask_grad, merged_lse):
-        with _below_autograd():
-            return ops.attention_bwd(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
-                                     window_left, window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state,
-                                     mask_grad, merged_lse)
+        return bwd_below_autograd(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
+                                  window_left, window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state,
+                                  mask_grad, merged_lse)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -189,3 +189,78 @@ def test_scratch_beyond_the_thread_buffer_and_small_calls_between_give_the_same_
             for got, want in zip(result, [expected.detach()] + [t.grad for t in leaves]):
                 torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
         assert all(torch.equal(a, b) for a, b in zip(result, first[name])), name
+
+
+def direct_entries():
+    """The prebuilt extension's direct entries to the ops (a JIT build has none)."""
+    import pytest
+    from attention_ext import _ops
+    if _ops._direct is None:
+        pytest.skip("this build has no direct entries (a JIT build loads the ops alone)")
+    return _ops._direct
+
+
+def op_arguments(q, k, v):
+    return (q, k, v, None, 0.3, 2, -1, -1, 0.0, None, None, 0.0, None)
+
+
+def test_the_direct_entries_call_the_ops_and_give_their_bits():
+    direct = direct_entries()
+    q, k, v = inputs(n=3, m=9)
+    with torch.no_grad():
+        expected = torch.ops.attention_ext.attention_fwd(*op_arguments(q, k, v))
+        out, lse = direct.fwd_below_autograd(*op_arguments(q, k, v))
+        grad_out = torch.randn_like(out)
+        bwd_args = (grad_out, None, q, k, v, None, out, lse, 0.3, 2, -1, -1, 0.0, None, None, 0.0, None, False, False)
+        expected_grads = torch.ops.attention_ext.attention_bwd(*bwd_args)
+        grads = direct.bwd_below_autograd(*bwd_args)
+    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+
+
+def test_the_direct_entries_raise_what_the_op_raises():
+    import pytest
+    direct = direct_entries()
+    q, k, v = inputs(n=3, m=9)
+    messages = []
+    for call in (direct.fwd_below_autograd, torch.ops.attention_ext.attention_fwd):
+        with pytest.raises(RuntimeError, match="same head dim") as error:
+            call(*op_arguments(q, k[..., :4], v))
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]
+    with pytest.raises(TypeError, match="argument 4 must be a float, got str"):
+        direct.fwd_below_autograd(q, k, v, None, "0.3", 2, -1, -1, 0.0, None, None, 0.0, None)
+    with pytest.raises(TypeError, match="argument 1 must be a Tensor"):
+        direct.fwd_below_autograd(q, None, v, None, 0.3, 2, -1, -1, 0.0, None, None, 0.0, None)
+    with pytest.raises(TypeError, match="takes 13 arguments"):
+        direct.fwd_below_autograd(q, k, v)
+
+
+def test_torch_function_modes_and_tensor_subclasses_still_see_the_op():
+    """The direct entries step aside (torch.ops takes the call) where __torch_function__ expects
+    to see it: under a TorchFunctionMode and for tensor subclasses."""
+    from torch.overrides import TorchFunctionMode
+    direct_entries()
+    seen = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    class Logged(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    q, k, v = inputs(n=3, m=9)
+    with Recording():
+        attention_ext.scaled_dot_product_attention(q, k, v)
+    assert "attention_ext.attention_fwd" in seen
+    seen.clear()
+    from attention_ext import _ops
+    with torch.no_grad():
+        out, _ = _ops.fwd_below_autograd(*op_arguments(q.as_subclass(Logged), k, v))
+    assert "attention_ext.attention_fwd" in seen
+    assert torch.equal(out.as_subclass(torch.Tensor), _ops.fwd_below_autograd(*op_arguments(q, k, v))[0])
