@@ -65,3 +65,50 @@ def test_fused_and_split_backward_schedules_are_bitwise_identical(dtype, causal,
 
     for a, b in zip(grads("fused"), grads("split")):
         assert torch.equal(a, b)
+
+
+POISONED_RUN = r"""
+import sys, torch, attention_ext
+sys.path.insert(0, {tests!r})
+from test_determinism import run_all, short_and_decode_calls
+results = []
+for dtype in (torch.float32, torch.bfloat16, torch.float64):
+    results += run_all(dtype, "top_left", mask=True) + short_and_decode_calls(dtype)
+torch.save(results, {path!r})
+"""
+
+
+def short_and_decode_calls(dtype):
+    """Short tiles (a few queries and keys, 1-row decode with a cache longer than a tile) with
+    the score modifiers, forward and backward."""
+    torch.manual_seed(2)
+    results = []
+    for n, m in ((5, 19), (1, 300), (3, 70)):
+        q = rand(2, 2, n, 24, dtype=dtype, requires_grad=True)
+        k = rand(2, 2, m, 24, dtype=dtype, requires_grad=True)
+        v = rand(2, 2, m, 16, dtype=dtype, requires_grad=True)
+        out = attention_ext.attention(q, k, v, causal="bottom_right", softcap=20.0,
+                                      alibi_slopes=torch.tensor([0.5, 0.25]))
+        out.backward(torch.randn_like(out))
+        results += [out.detach(), q.grad, k.grad, v.grad]
+    return results
+
+
+def test_scratch_the_kernels_leave_unzeroed_is_never_read_before_it_is_written(tmp_path):
+    """With ATTENTION_EXT_POISON_SCRATCH=1 every scratch tile a kernel does not zero starts as NaN
+    bytes: if a kernel read one before writing it, the results would differ (the sanitizer job runs
+    the whole suite so). Forward and backward, tiled and decode, masks and modifiers, three dtypes."""
+    import os
+    import subprocess
+    import sys
+    path = tmp_path / "poisoned.pt"
+    script = POISONED_RUN.format(tests=os.path.dirname(__file__), path=str(path))
+    env = dict(os.environ, ATTENTION_EXT_POISON_SCRATCH="1")
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
+    poisoned = torch.load(path)
+    clean = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        clean += run_all(dtype, "top_left", mask=True) + short_and_decode_calls(dtype)
+    assert len(poisoned) == len(clean)
+    for a, b in zip(poisoned, clean):
+        assert torch.equal(a, b)

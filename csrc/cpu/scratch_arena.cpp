@@ -23,6 +23,14 @@ thread_local Arena arena;
 
 }  // namespace
 
+bool scratch_poisoned() {
+  static const bool poisoned = [] {
+    const char* env = getenv("ATTENTION_EXT_POISON_SCRATCH");
+    return env != nullptr && env[0] == '1';
+  }();
+  return poisoned;
+}
+
 void* scratch_acquire(size_t bytes) {
   Arena& a = arena;
   if (a.live == 0 && a.wanted > a.capacity) {  // nothing handed out: safe to move the buffer

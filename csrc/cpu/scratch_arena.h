@@ -22,5 +22,10 @@ constexpr size_t kScratchArenaMaxBytes = size_t(8) << 20;
 void* scratch_acquire(size_t bytes);
 void scratch_release(void* ptr, size_t bytes);
 
+// ATTENTION_EXT_POISON_SCRATCH=1 (read once): uninitialised blocks are filled with 0xFF bytes, a
+// NaN in every float type, so a kernel that reads scratch it did not write first gives NaN in
+// its results instead of whatever a previous call left there. The tests run once with it.
+bool scratch_poisoned();
+
 }  // namespace cpu
 }  // namespace attention_ext
