@@ -133,6 +133,10 @@ class AttentionFunction(_PositionalApply, torch.autograd.Function):
     @staticmethod
     def jvp(ctx, query_t, key_t, value_t, mask_t, _scale_t, _causal_t, _left_t, _right_t, _softcap_t, alibi_t,
             sinks_t, *unused):
+        if not ctx.saved_tensors:
+            raise RuntimeError(
+                "attention_ext: forward-mode AD needs its dual level opened through torch.autograd.forward_ad "
+                "(dual_level() or enter_dual_level()); a level entered through torch._C is not seen")
         query, key, value, attn_mask, rng_state, alibi_slopes, sinks = ctx.saved_tensors
         _no_tangent(alibi_t, "alibi_slopes")
         scale = ctx.scale

@@ -9,7 +9,8 @@
 // calls it where autograd has nothing to record), with the GIL released. Dispatch keys, dispatch
 // modes (FakeTensorMode, FlopCounterMode...) and errors are the op's own. They answer None,
 // and the caller takes torch.ops, when a torch function mode is active or a tensor argument is a
-// subclass: both expect to see the op called through torch.ops (__torch_function__).
+// subclass (both expect to see the op called through torch.ops: __torch_function__), and for any
+// argument beyond the plain kinds (torch.ops converts it or raises its own error).
 // Only the prebuilt extension has them (a JIT build loads the ops alone): callers fall back.
 #include <Python.h>
 
@@ -35,19 +36,19 @@ using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, double, int64_t, int64_t, int64_t, double, const OptTensor&,
     const OptTensor&, double, const OptTensor&, bool, bool);
 
-// Arguments in schema order, each kind checked: a wrong one is a TypeError naming its position.
+// Arguments in schema order. Anything but the plain kinds (a tensor subclass, a numpy scalar, an
+// int beyond int64, a wrong type) defers the call to torch.ops, which converts it or raises its
+// own error, so the direct entry never answers differently from the op.
 struct Args {
   PyObject* const* items;
-  bool deferred = false;  // a tensor subclass: leave the call to torch.ops
+  bool deferred = false;
 
-  static bool plain_tensor(PyObject* o) {
-    return THPVariable_CheckExact(o);  // Tensor or Parameter
-  }
   at::Tensor tensor(int i) {
     PyObject* o = items[i];
-    TORCH_CHECK_TYPE(THPVariable_Check(o), "attention_ext: argument ", i, " must be a Tensor, got ",
-                     Py_TYPE(o)->tp_name);
-    deferred |= !plain_tensor(o);
+    if (!THPVariable_CheckExact(o)) {  // (Tensor or Parameter)
+      deferred = true;
+      return at::Tensor();
+    }
     return THPVariable_Unpack(o);
   }
   OptTensor optional_tensor(int i) {
@@ -56,24 +57,26 @@ struct Args {
   }
   double real(int i) {
     PyObject* o = items[i];
-    TORCH_CHECK_TYPE(PyFloat_Check(o) || (PyLong_Check(o) && !PyBool_Check(o)), "attention_ext: argument ", i,
-                     " must be a float, got ", Py_TYPE(o)->tp_name);
-    const double v = PyFloat_AsDouble(o);
-    if (v == -1.0 && PyErr_Occurred()) throw python_error();
-    return v;
+    if (PyFloat_CheckExact(o)) return PyFloat_AS_DOUBLE(o);
+    deferred = true;
+    return 0.0;
   }
   int64_t integer(int i) {
     PyObject* o = items[i];
-    TORCH_CHECK_TYPE(PyLong_Check(o) && !PyBool_Check(o), "attention_ext: argument ", i, " must be an int, got ",
-                     Py_TYPE(o)->tp_name);
-    const long long v = PyLong_AsLongLong(o);
-    if (v == -1 && PyErr_Occurred()) throw python_error();
-    return v;
+    if (PyLong_CheckExact(o)) {
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+      if (overflow == 0 && !(v == -1 && PyErr_Occurred())) return v;
+      PyErr_Clear();
+    }
+    deferred = true;
+    return 0;
   }
   bool boolean(int i) {
     PyObject* o = items[i];
-    TORCH_CHECK_TYPE(PyBool_Check(o), "attention_ext: argument ", i, " must be a bool, got ", Py_TYPE(o)->tp_name);
-    return o == Py_True;
+    if (PyBool_Check(o)) return o == Py_True;
+    deferred = true;
+    return false;
   }
 };
 

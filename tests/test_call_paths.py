@@ -228,12 +228,32 @@ def test_the_direct_entries_raise_what_the_op_raises():
             call(*op_arguments(q, k[..., :4], v))
         messages.append(str(error.value))
     assert messages[0] == messages[1]
-    with pytest.raises(TypeError, match="argument 4 must be a float, got str"):
-        direct.fwd_below_autograd(q, k, v, None, "0.3", 2, -1, -1, 0.0, None, None, 0.0, None)
-    with pytest.raises(TypeError, match="argument 1 must be a Tensor"):
-        direct.fwd_below_autograd(q, None, v, None, 0.3, 2, -1, -1, 0.0, None, None, 0.0, None)
     with pytest.raises(TypeError, match="takes 13 arguments"):
         direct.fwd_below_autograd(q, k, v)
+
+
+def test_arguments_beyond_the_plain_kinds_go_to_torch_ops():
+    """A wrong type, a numpy scalar, an int beyond int64: the direct entry answers None and the
+    call goes through torch.ops, which converts the value or raises its own error."""
+    import numpy as np
+    import pytest
+    from attention_ext import _ops
+    direct = direct_entries()
+    q, k, v = inputs(n=3, m=9)
+    odd = [(4, "0.3"), (4, np.float64(0.3)), (5, True), (6, 2 ** 63), (1, None)]
+    with torch.no_grad():
+        for position, value in odd:
+            args = list(op_arguments(q, k, v))
+            args[position] = value
+            assert direct.fwd_below_autograd(*args) is None, (position, value)
+            try:
+                expected = torch.ops.attention_ext.attention_fwd(*args)
+            except Exception as error:
+                with pytest.raises(type(error)):
+                    _ops.fwd_below_autograd(*args)
+            else:
+                got = _ops.fwd_below_autograd(*args)
+                assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_torch_function_modes_and_tensor_subclasses_still_see_the_op():
@@ -264,3 +284,18 @@ def test_torch_function_modes_and_tensor_subclasses_still_see_the_op():
         out, _ = _ops.fwd_below_autograd(*op_arguments(q.as_subclass(Logged), k, v))
     assert "attention_ext.attention_fwd" in seen
     assert torch.equal(out.as_subclass(torch.Tensor), _ops.fwd_below_autograd(*op_arguments(q, k, v))[0])
+
+
+def test_a_dual_level_entered_behind_forward_ad_s_back_is_a_clear_error():
+    """The Function saves its tensors for jvp only while torch.autograd.forward_ad has a level
+    open; a level entered through torch._C directly (private) is not seen: a clear error, never a
+    tangent silently computed from nothing."""
+    import pytest
+    q, k, v = inputs(n=3, m=9)
+    level = torch._C._enter_dual_level()
+    try:
+        dual = fwAD.make_dual(q.clone().requires_grad_(), torch.ones_like(q), level=level)
+        with pytest.raises(RuntimeError, match="dual level opened through torch.autograd.forward_ad"):
+            attention_ext.attention(dual, k, v)
+    finally:
+        torch._C._exit_dual_level(level=level)

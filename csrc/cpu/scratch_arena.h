@@ -9,7 +9,9 @@
 // next chunk (up to kScratchArenaMaxBytes, beyond which the heap serves it every time).
 //
 // Blocks are released in the reverse order of their acquisition (scopes and struct members do
-// that); a block released out of order is reclaimed when the thread's last block is.
+// that); a block released out of order is reclaimed when the thread's last block is. A thread
+// keeps its buffer (at most kScratchArenaMaxBytes) until it exits. Under AddressSanitizer every
+// block is a heap allocation of its own, so overruns between tiles still hit redzones.
 #include <stddef.h>
 
 namespace attention_ext {

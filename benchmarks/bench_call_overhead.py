@@ -1,0 +1,153 @@
+"""Where the microseconds of a small call go: ours and torch's SDPA beside the floors under them.
+
+    python benchmarks/bench_call_overhead.py [--shape 1x4x1x64x32] [--reps 15] [--out PREFIX]
+
+For one small shape (B×H×n×m×d, fp32, CPU) it times, interleaved in one run (median of --reps
+samples, each a loop of back-to-back calls lasting >= 20 ms):
+  * the forward without autograd: ours (the public call), the op alone (the direct entry, or
+    torch.ops in a JIT build), torch's SDPA;
+  * the forward recording autograd: ours (through the autograd Function), torch's SDPA, and the
+    floor of any Python autograd.Function of the same arity (a Function whose forward returns views
+    and saves as many tensors: no kernel);
+  * the backward (torch.autograd.grad of a kept graph): ours, torch's, the op alone, and the two
+    floors: the engine running one C++ node (x * 2) and running a Python Function's node whose
+    backward only allocates its gradients.
+The gaps between the rows are what a change to the library can and cannot remove: the Python
+Function and its node are the documented autograd path, whose floor is set by torch.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402  (its machine naming)
+from bench_window import publish  # noqa: E402
+
+import attention_ext  # noqa: E402
+from attention_ext import _ops  # noqa: E402
+
+
+def per_call_us(fn, min_seconds=0.02):
+    """Microseconds per call of a loop of back-to-back calls lasting at least min_seconds."""
+    calls = 8
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_seconds:
+            return elapsed / calls * 1e6
+        calls *= 2
+
+
+def interleaved(fns, reps):
+    for fn in fns.values():
+        per_call_us(fn, 0.005)
+    samples = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            samples[name].append(per_call_us(fn))
+    return {name: (statistics.median(s), min(s), max(s)) for name, s in samples.items()}
+
+
+class PythonFunctionFloor(torch.autograd.Function):
+    """A Python autograd.Function with our Function's interface (q, k, v -> out, lse; five tensors
+    saved) and no kernel: what torch charges for the Python Function and, in backward, its node."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = q.view_as(q), q[..., 0]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="1x4x1x64x32", help="BxHxnxmxd")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
+    a = ap.parse_args(argv)
+    b, h, n, m, d = (int(x) for x in a.shape.split("x"))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, length, d, generator=g) for length in (n, m, m))
+    grad_out = torch.randn(b, h, n, d, generator=g)
+    scale = d ** -0.5
+    fwd_args = (q, k, v, None, scale, 0, -1, -1, 0.0, None, None, 0.0, None)
+    out, lse = _ops.fwd_below_autograd(*fwd_args)
+    bwd_args = (grad_out, None, q, k, v, None, out, lse, scale, 0, -1, -1, 0.0, None, None, 0.0, None, False, False)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def graph(fn):
+        result = fn(*leaves)
+        return result[0] if isinstance(result, tuple) else result
+
+    ours_graph = graph(attention_ext.scaled_dot_product_attention)
+    torch_graph = graph(F.scaled_dot_product_attention)
+    floor_graph = graph(PythonFunctionFloor.apply)
+    x = torch.randn(4, requires_grad=True)
+    one_node = x * 2
+    grad_one = torch.ones(4)
+
+    def backward_of(result):
+        return lambda: torch.autograd.grad(result, leaves, grad_out, retain_graph=True)
+
+    direct = "direct entry" if _ops._direct is not None else "torch.ops (JIT build: no direct entry)"
+    groups = {
+        "forward, no autograd": {
+            "ours": lambda: attention_ext.scaled_dot_product_attention(q, k, v),
+            f"the op alone ({direct})": lambda: _ops.fwd_below_autograd(*fwd_args),
+            "torch SDPA": lambda: F.scaled_dot_product_attention(q, k, v),
+        },
+        "forward, recording autograd": {
+            "ours (autograd Function)": lambda: attention_ext.scaled_dot_product_attention(*leaves),
+            "torch SDPA": lambda: F.scaled_dot_product_attention(*leaves),
+            "floor: a Python Function, no kernel": lambda: PythonFunctionFloor.apply(*leaves),
+        },
+        "backward (autograd.grad of a kept graph)": {
+            "ours": backward_of(ours_graph),
+            "torch SDPA": backward_of(torch_graph),
+            f"the op alone ({direct})": lambda: _ops.bwd_below_autograd(*bwd_args),
+            "floor: engine + a Python Function's node, no kernel": backward_of(floor_graph),
+            "floor: engine + one C++ node (x * 2)": lambda: torch.autograd.grad(one_node, x, grad_one,
+                                                                                 retain_graph=True),
+        },
+    }
+    load_before = os.getloadavg()
+    results = {group: interleaved(fns, a.reps) for group, fns in groups.items()}
+    load_after = os.getloadavg()
+    lines = [
+        "# attention_ext small-call overhead (CPU, float32)",
+        "",
+        f"- {bench.cpu_name()}; torch {torch.__version__} ({torch.get_num_threads()} threads); attention_ext "
+        f"{attention_ext.__version__} cpu_variant=`{attention_ext.cpu_variant()}`",
+        f"- command: `python benchmarks/bench_call_overhead.py --shape {a.shape} --reps {a.reps}"
+        + (f" --out {a.out}`" if a.out else "`"),
+        f"- shape {a.shape} (BxHxnxmxd); µs per call, median of {a.reps} interleaved samples (each >= 20 ms of "
+        "back-to-back calls), min–max beside it",
+        "- load average before/after: " + " ".join(f"{x:.2f}" for x in load_before) + " / "
+        + " ".join(f"{x:.2f}" for x in load_after),
+        "",
+    ]
+    for group, rows in results.items():
+        lines += [f"## {group}", "", "| call | µs | min–max |", "|---|---:|---:|"]
+        lines += [f"| {name} | {med:.1f} | {lo:.1f}–{hi:.1f} |" for name, (med, lo, hi) in rows.items()]
+        lines.append("")
+    publish(a.out, "\n".join(lines), {"shape": a.shape, "reps": a.reps, "cpu": bench.cpu_name(),
+                                      "results": {g: {k: list(v) for k, v in r.items()} for g, r in results.items()}})
+
+
+if __name__ == "__main__":
+    main()
