@@ -139,3 +139,17 @@ def test_kvcache_benchmark_times_every_layout_and_the_append(tmp_path):
     assert row["kv_bytes"] == 2 * 2 * 512 * 64 * 4 and all(r["gbps"] > 0 for r in row["results"].values())
     assert set(result["append_rows"][0]["ms"]) == {"attend", "append + attend", "write only"}
     assert "% of bandwidth" in (tmp_path / "kv.md").read_text()
+
+
+def test_call_overhead_benchmark_times_our_call_its_parts_and_the_floors(tmp_path):
+    prefix = tmp_path / "overhead"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_call_overhead.py"), "--shape",
+                           "1x2x3x20x16", "--reps", "1", "--out", str(prefix)],
+                          capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "overhead.json").read_text())
+    groups = result["results"]
+    assert len(groups) == 3 and all(row[0] > 0 for rows in groups.values() for row in rows.values())
+    backward = groups["backward (autograd.grad of a kept graph)"]
+    assert "floor: engine + one C++ node (x * 2)" in backward and "ours" in backward
+    assert "µs" in (tmp_path / "overhead.md").read_text()
