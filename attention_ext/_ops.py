@@ -14,7 +14,7 @@ _LOADED_FROM = load_extension()
 ops = torch.ops.attention_ext
 
 # The prebuilt extension's direct entries to attention_fwd / attention_bwd (csrc/module.cpp): the
-# same op through the dispatcher without torch.ops' per-argument conversion (~6 µs a call). A JIT
+# same op through the dispatcher without torch.ops' per-argument conversion (~3 µs a call). A JIT
 # build has none; either answers None where the call must go through torch.ops.
 _direct = None
 if _LOADED_FROM.startswith("prebuilt:"):
@@ -22,24 +22,23 @@ if _LOADED_FROM.startswith("prebuilt:"):
     _direct = _compiled if hasattr(_compiled, "fwd_below_autograd") else None
 
 
-def fwd_below_autograd(*args):
-    """ops.attention_fwd(*args) below the autograd keys (where autograd has nothing to record)."""
+def _below_autograd_call(entry, op, args):
     if _direct is not None and not torch.compiler.is_compiling():
-        result = _direct.fwd_below_autograd(*args)
+        result = getattr(_direct, entry)(*args)
         if result is not None:
             return result
     with torch._C._AutoDispatchBelowADInplaceOrView():
-        return ops.attention_fwd(*args)
+        return op(*args)
+
+
+def fwd_below_autograd(*args):
+    """ops.attention_fwd(*args) below the autograd keys (where autograd has nothing to record)."""
+    return _below_autograd_call("fwd_below_autograd", ops.attention_fwd, args)
 
 
 def bwd_below_autograd(*args):
     """ops.attention_bwd(*args) below the autograd keys (a backward that keeps no graph)."""
-    if _direct is not None and not torch.compiler.is_compiling():
-        result = _direct.bwd_below_autograd(*args)
-        if result is not None:
-            return result
-    with torch._C._AutoDispatchBelowADInplaceOrView():
-        return ops.attention_bwd(*args)
+    return _below_autograd_call("bwd_below_autograd", ops.attention_bwd, args)
 
 
 def _batch_shape(*tensors):
