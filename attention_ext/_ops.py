@@ -13,32 +13,34 @@ _LOADED_FROM = load_extension()
 
 ops = torch.ops.attention_ext
 
+def below_autograd():
+    """Inside a Function's forward (and a backward that keeps no graph) the op's own autograd
+    kernel (torch.library.register_autograd, Python) has nothing to record: calling the op below
+    the autograd keys skips it, tens of microseconds on a small call."""
+    return torch._C._AutoDispatchBelowADInplaceOrView()
+
+
 # The prebuilt extension's direct entries to attention_fwd / attention_bwd (csrc/module.cpp): the
 # same op through the dispatcher without torch.ops' per-argument conversion (~3 µs a call). A JIT
-# build has none; either answers None where the call must go through torch.ops.
-_direct = None
+# build has none; an entry answers None where the call must go through torch.ops.
+_DIRECT_ENTRIES = {}
 if _LOADED_FROM.startswith("prebuilt:"):
     from . import _C as _compiled
-    _direct = _compiled if hasattr(_compiled, "fwd_below_autograd") else None
+    if hasattr(_compiled, "fwd_below_autograd"):
+        _DIRECT_ENTRIES = {ops.attention_fwd: _compiled.fwd_below_autograd,
+                           ops.attention_bwd: _compiled.bwd_below_autograd}
 
 
-def _below_autograd_call(entry, op, args):
-    if _direct is not None and not torch.compiler.is_compiling():
-        result = getattr(_direct, entry)(*args)
+def call_below_autograd(op, *args):
+    """op(*args) below the autograd keys (where autograd has nothing to record), through the op's
+    direct entry when the build has one."""
+    entry = _DIRECT_ENTRIES.get(op)
+    if entry is not None and not torch.compiler.is_compiling():
+        result = entry(*args)
         if result is not None:
             return result
-    with torch._C._AutoDispatchBelowADInplaceOrView():
+    with below_autograd():
         return op(*args)
-
-
-def fwd_below_autograd(*args):
-    """ops.attention_fwd(*args) below the autograd keys (where autograd has nothing to record)."""
-    return _below_autograd_call("fwd_below_autograd", ops.attention_fwd, args)
-
-
-def bwd_below_autograd(*args):
-    """ops.attention_bwd(*args) below the autograd keys (a backward that keeps no graph)."""
-    return _below_autograd_call("bwd_below_autograd", ops.attention_bwd, args)
 
 
 def _batch_shape(*tensors):

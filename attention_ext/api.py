@@ -15,12 +15,11 @@ import numbers
 from typing import Optional
 
 import torch
-import torch.autograd.forward_ad as _forward_ad  # its _current_level: whether a dual level is open
 
 from ._arguments import band_rules, dropout_rules, enforce, mask_rules, per_head_rules, qkv_rules, scale_rules
 from ._constants import CAUSAL_CODES, FLOAT_DTYPES, lse_dtype, scale_overflows
-from ._ops import fwd_below_autograd, ops
-from .function import AttentionFunction, AttentionWeightsFunction, _below_autograd
+from ._ops import call_below_autograd, ops
+from .function import AttentionFunction, AttentionWeightsFunction, forward_ad_possible
 
 
 def _check_tensor(t, name):
@@ -270,10 +269,7 @@ def _call(op, function, args, *differentiable):
         return op(*args)
     if _needs_autograd(*differentiable):
         return function.apply(*args)
-    if op is ops.attention_fwd:
-        return fwd_below_autograd(*args)
-    with _below_autograd():
-        return op(*args)
+    return call_below_autograd(op, *args)
 
 
 def _needs_autograd(*tensors) -> bool:
@@ -282,12 +278,11 @@ def _needs_autograd(*tensors) -> bool:
     transform is active (vmap, grad, jvp: they need the Function's rules)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return True
-    return _forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+    return forward_ad_possible()
 
 
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
-_transforms_active = torch._C._are_functorch_transforms_active
 
 
 def _lean_forward(query, key, value, causal_code, scale):
@@ -299,7 +294,7 @@ def _lean_forward(query, key, value, causal_code, scale):
     before). Saves ~25 µs of argument handling per call: the whole cost of a decode-sized call."""
     if type(query) is not _Tensor or type(key) is not _Tensor or type(value) is not _Tensor:
         return None
-    if _forward_ad._current_level >= 0 or _transforms_active() or _is_compiling():
+    if forward_ad_possible() or _is_compiling():
         return None
     dtype = query.dtype
     if dtype not in FLOAT_DTYPES or key.dtype is not dtype or value.dtype is not dtype:

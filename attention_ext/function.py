@@ -26,15 +26,8 @@ except ImportError:  # pragma: no cover - torch without it has no dead wrappers 
         return args
 
 from ._constants import CAUSAL_NAMES, lse_dtype
-from ._ops import bwd_below_autograd, fwd_below_autograd, ops
+from ._ops import below_autograd as _below_autograd, call_below_autograd, ops
 from .reference import masked_scores, softmax_lse
-
-
-def _below_autograd():
-    """Inside a Function's forward (and a backward that keeps no graph) the op's own autograd
-    kernel (torch.library.register_autograd, Python) has nothing to record: calling the op below
-    the autograd keys skips it, tens of microseconds on a small call."""
-    return torch._C._AutoDispatchBelowADInplaceOrView()
 
 
 class _PositionalApply:
@@ -51,7 +44,7 @@ class _PositionalApply:
         return super(torch.autograd.Function, cls).apply(*args)
 
 
-def _forward_ad_possible() -> bool:
+def forward_ad_possible() -> bool:
     """Whether jvp may run for the call being recorded: a forward-mode AD level is open or a
     functorch transform (jvp among them) is active. jvp runs within the call, never later."""
     return torch.autograd.forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
@@ -105,7 +98,7 @@ def _backward(ctx, grad_out, grad_lse):
     if torch.is_grad_enabled():  # create_graph=True: keep the graph for double backward
         dq, dk, dv, dmask = AttentionBackward.apply(*args)
     else:
-        dq, dk, dv, dmask = bwd_below_autograd(*args)
+        dq, dk, dv, dmask = call_below_autograd(ops.attention_bwd, *args)
     return (dq, dk, dv, (dmask if mask_grad else None)) + (None,) * 6 + (dsinks, None, None)
 
 
@@ -116,13 +109,13 @@ class AttentionFunction(_PositionalApply, torch.autograd.Function):
     @staticmethod
     def forward(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
                 sinks, dropout_p, rng_state):
-        return fwd_below_autograd(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap,
-                                  alibi_slopes, sinks, dropout_p, rng_state)
+        return call_below_autograd(ops.attention_fwd, query, key, value, attn_mask, scale, causal, window_left,
+                                   window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         _setup_context(ctx, inputs, output)
-        if _forward_ad_possible():  # only jvp reads these (~5 µs a call to save)
+        if forward_ad_possible():  # only jvp reads these (~5 µs a call to save)
             query, key, value, attn_mask, *_, alibi_slopes, sinks, _, rng_state = inputs
             ctx.save_for_forward(query, key, value, attn_mask, rng_state, alibi_slopes, sinks)
 
@@ -295,9 +288,9 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
     @staticmethod
     def forward(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal, window_left,
                 window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state, mask_grad, merged_lse):
-        return bwd_below_autograd(grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
-                                  window_left, window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state,
-                                  mask_grad, merged_lse)
+        return call_below_autograd(ops.attention_bwd, grad_out, grad_lse, query, key, value, attn_mask, out, lse,
+                                   scale, causal, window_left, window_right, softcap, alibi_slopes, sinks, dropout_p,
+                                   rng_state, mask_grad, merged_lse)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -417,9 +410,8 @@ class AttentionWeightsFunction(_PositionalApply, torch.autograd.Function):
 
     @staticmethod
     def forward(query, key, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes, sinks):
-        with _below_autograd():
-            return ops.attention_probs(query, key, attn_mask, scale, causal, window_left, window_right, softcap,
-                                       alibi_slopes, sinks)
+        return call_below_autograd(ops.attention_probs, query, key, attn_mask, scale, causal, window_left,
+                                   window_right, softcap, alibi_slopes, sinks)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -34,6 +34,7 @@ from bench_window import publish  # noqa: E402
 
 import attention_ext  # noqa: E402
 from attention_ext import _ops  # noqa: E402
+from attention_ext._ops import call_below_autograd, ops  # noqa: E402
 
 
 def per_call_us(fn, min_seconds=0.02):
@@ -88,7 +89,7 @@ def main(argv=None):
     grad_out = torch.randn(b, h, n, d, generator=g)
     scale = d ** -0.5
     fwd_args = (q, k, v, None, scale, 0, -1, -1, 0.0, None, None, 0.0, None)
-    out, lse = _ops.fwd_below_autograd(*fwd_args)
+    out, lse = call_below_autograd(ops.attention_fwd, *fwd_args)
     bwd_args = (grad_out, None, q, k, v, None, out, lse, scale, 0, -1, -1, 0.0, None, None, 0.0, None, False, False)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
@@ -105,11 +106,11 @@ def main(argv=None):
     def backward_of(result):
         return lambda: torch.autograd.grad(result, leaves, grad_out, retain_graph=True)
 
-    direct = "direct entry" if _ops._direct is not None else "torch.ops (JIT build: no direct entry)"
+    direct = "direct entry" if _ops._DIRECT_ENTRIES else "torch.ops (JIT build: no direct entry)"
     groups = {
         "forward, no autograd": {
             "ours": lambda: attention_ext.scaled_dot_product_attention(q, k, v),
-            f"the op alone ({direct})": lambda: _ops.fwd_below_autograd(*fwd_args),
+            f"the op alone ({direct})": lambda: call_below_autograd(ops.attention_fwd, *fwd_args),
         },
         "forward, recording autograd": {
             "ours (autograd Function)": lambda: attention_ext.scaled_dot_product_attention(*leaves),
@@ -117,7 +118,7 @@ def main(argv=None):
         },
         "backward (autograd.grad of a kept graph)": {
             "ours": backward_of(ours_graph),
-            f"the op alone ({direct})": lambda: _ops.bwd_below_autograd(*bwd_args),
+            f"the op alone ({direct})": lambda: call_below_autograd(ops.attention_bwd, *bwd_args),
             "floor: engine + a Python Function's node, no kernel": backward_of(floor_graph),
             "floor: engine + one C++ node (x * 2)": lambda: torch.autograd.grad(one_node, x, grad_one,
                                                                                  retain_graph=True),

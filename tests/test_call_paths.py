@@ -195,9 +195,9 @@ def direct_entries():
     """The prebuilt extension's direct entries to the ops (a JIT build has none)."""
     import pytest
     from attention_ext import _ops
-    if _ops._direct is None:
+    if not _ops._DIRECT_ENTRIES:
         pytest.skip("this build has no direct entries (a JIT build loads the ops alone)")
-    return _ops._direct
+    return _ops._compiled
 
 
 def op_arguments(q, k, v):
@@ -237,8 +237,9 @@ def test_arguments_beyond_the_plain_kinds_go_to_torch_ops():
     call goes through torch.ops, which converts the value or raises its own error."""
     import numpy as np
     import pytest
-    from attention_ext import _ops
+    from attention_ext._ops import call_below_autograd
     direct = direct_entries()
+    fwd = torch.ops.attention_ext.attention_fwd
     q, k, v = inputs(n=3, m=9)
     odd = [(4, "0.3"), (4, np.float64(0.3)), (5, True), (6, 2 ** 63), (1, None)]
     with torch.no_grad():
@@ -247,12 +248,12 @@ def test_arguments_beyond_the_plain_kinds_go_to_torch_ops():
             args[position] = value
             assert direct.fwd_below_autograd(*args) is None, (position, value)
             try:
-                expected = torch.ops.attention_ext.attention_fwd(*args)
+                expected = fwd(*args)
             except Exception as error:
                 with pytest.raises(type(error)):
-                    _ops.fwd_below_autograd(*args)
+                    call_below_autograd(fwd, *args)
             else:
-                got = _ops.fwd_below_autograd(*args)
+                got = call_below_autograd(fwd, *args)
                 assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
@@ -279,11 +280,12 @@ def test_torch_function_modes_and_tensor_subclasses_still_see_the_op():
         attention_ext.scaled_dot_product_attention(q, k, v)
     assert "attention_ext.attention_fwd" in seen
     seen.clear()
-    from attention_ext import _ops
+    from attention_ext._ops import call_below_autograd
+    fwd = torch.ops.attention_ext.attention_fwd
     with torch.no_grad():
-        out, _ = _ops.fwd_below_autograd(*op_arguments(q.as_subclass(Logged), k, v))
+        out, _ = call_below_autograd(fwd, *op_arguments(q.as_subclass(Logged), k, v))
     assert "attention_ext.attention_fwd" in seen
-    assert torch.equal(out.as_subclass(torch.Tensor), _ops.fwd_below_autograd(*op_arguments(q, k, v))[0])
+    assert torch.equal(out.as_subclass(torch.Tensor), call_below_autograd(fwd, *op_arguments(q, k, v))[0])
 
 
 def test_a_dual_level_entered_behind_forward_ad_s_back_is_a_clear_error():

@@ -8,6 +8,28 @@
 
 namespace attention_ext {
 namespace cpu {
+
+bool scratch_poisoned() {
+  static const bool poisoned = [] {
+    const char* env = getenv("ATTENTION_EXT_POISON_SCRATCH");
+    return env != nullptr && env[0] == '1';
+  }();
+  return poisoned;
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+// Under AddressSanitizer every block is its own allocation, so an overrun from one tile into the
+// next hits a redzone instead of the neighbouring tile.
+void* scratch_acquire(size_t bytes) {
+  void* own = aligned_alloc(64, bytes);
+  if (own == nullptr) abort();
+  return own;
+}
+
+void scratch_release(void* ptr, size_t) { free(ptr); }
+
+#else
+
 namespace {
 
 struct Arena {
@@ -27,22 +49,7 @@ thread_local Arena arena;
 
 }  // namespace
 
-bool scratch_poisoned() {
-  static const bool poisoned = [] {
-    const char* env = getenv("ATTENTION_EXT_POISON_SCRATCH");
-    return env != nullptr && env[0] == '1';
-  }();
-  return poisoned;
-}
-
 void* scratch_acquire(size_t bytes) {
-#if defined(__SANITIZE_ADDRESS__)
-  // Under AddressSanitizer every block is its own allocation, so an overrun from one tile into
-  // the next hits a redzone instead of the neighbouring tile.
-  void* own = aligned_alloc(64, bytes);
-  if (own == nullptr) abort();
-  return own;
-#endif
   Arena& a = arena;
   if (a.live == 0 && a.wanted > a.capacity) {  // nothing handed out: safe to move the buffer
     free(a.base);
@@ -64,10 +71,6 @@ void* scratch_acquire(size_t bytes) {
 }
 
 void scratch_release(void* ptr, size_t bytes) {
-#if defined(__SANITIZE_ADDRESS__)
-  free(ptr);
-  return;
-#endif
   Arena& a = arena;
   char* p = static_cast<char*>(ptr);
   --a.live;
@@ -78,6 +81,8 @@ void scratch_release(void* ptr, size_t bytes) {
   }
   if (a.live == 0) a.used = 0;
 }
+
+#endif  // __SANITIZE_ADDRESS__
 
 }  // namespace cpu
 }  // namespace attention_ext
