@@ -58,6 +58,9 @@ run_clean 2
 summary=$(grep -E "^=+ .*(passed|failed|error).* in [0-9.]+s" "$work/command2.log" | tail -1)
 echo "pytest: $summary"
 if [ -z "$summary" ] || grep -qE "[0-9]+ (failed|errors?)\b" <<<"$summary"; then
-  echo "the test suite did not pass:"; grep -E "^(FAILED|ERROR)" "$work/command2.log" | head -40; exit 1
+  echo "the test suite did not pass:"; grep -E "^(FAILED|ERROR)" "$work/command2.log" | head -40
+  # The failures' own reports (tracebacks, assertion messages), so a CI log alone explains them.
+  sed -n '/^=\+ \(FAILURES\|ERRORS\) =\+$/,/^=\+ short test summary/p' "$work/command2.log" | head -400
+  exit 1
 fi
 echo "fresh machine: both README commands passed"

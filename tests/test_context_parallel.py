@@ -565,6 +565,8 @@ def test_readme_torchrun_example_runs(tmp_path):
     # --standalone: a free local rendezvous port, so parallel test runs do not collide.
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", *command[1:]],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    # Everything both processes and the launcher said: a failure here has to explain itself.
+    assert run.returncode == 0, (f"torchrun exited {run.returncode}\n--- stdout ---\n{run.stdout[-3000:]}\n"
+                                 f"--- stderr ---\n{run.stderr[-12000:]}")
     printed = sorted(line for line in run.stdout.splitlines() if "torch.Size" in line)
     assert printed == ["0 torch.Size([1, 8, 4096, 64])", "1 torch.Size([1, 8, 4096, 64])"], run.stdout
