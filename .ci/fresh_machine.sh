@@ -41,7 +41,10 @@ run_clean() {  # run_clean N: command N, verbatim, in a clean environment from t
      HOME="$HOME" LANG=C.UTF-8 "${machine_pip_settings[@]}" bash -e "$work/command$1.sh") \
      > "$work/command$1.log" 2>&1 || rc=$?
   echo "command $1: exit $rc after $((SECONDS - started)) s"
-  if [ "$rc" != 0 ]; then tail -40 "$work/command$1.log"; exit 1; fi
+  if [ "$rc" != 0 ]; then failure_reports "$work/command$1.log"; tail -40 "$work/command$1.log"; exit 1; fi
+}
+failure_reports() {  # pytest's own reports of its failures (tracebacks, assertion messages), if any
+  sed -n '/^=\+ \(FAILURES\|ERRORS\) =\+$/,/^=\+ short test summary/p' "$1" | head -400
 }
 
 run_clean 1
@@ -58,9 +61,7 @@ run_clean 2
 summary=$(grep -E "^=+ .*(passed|failed|error).* in [0-9.]+s" "$work/command2.log" | tail -1)
 echo "pytest: $summary"
 if [ -z "$summary" ] || grep -qE "[0-9]+ (failed|errors?)\b" <<<"$summary"; then
-  echo "the test suite did not pass:"; grep -E "^(FAILED|ERROR)" "$work/command2.log" | head -40
-  # The failures' own reports (tracebacks, assertion messages), so a CI log alone explains them.
-  sed -n '/^=\+ \(FAILURES\|ERRORS\) =\+$/,/^=\+ short test summary/p' "$work/command2.log" | head -400
-  exit 1
+  echo "the test suite did not pass:"; failure_reports "$work/command2.log"
+  grep -E "^(FAILED|ERROR)" "$work/command2.log" | head -40; exit 1
 fi
 echo "fresh machine: both README commands passed"
