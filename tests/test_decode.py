@@ -217,7 +217,8 @@ def test_decode_gqa_low_precision_and_thread_count(n):
 @pytest.mark.parametrize("m", [70, 200])  # whole vectors of keys and a few more; one key range
 def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant, dtype, m):
     """Each logit is one dot product summed in one fixed order, whichever other query rows share
-    the call (one row, or a GQA group's four) and wherever its key falls in the tile."""
+    the call (one row, or a GQA group's four). (Where its key falls in the tile: test_kv_cache's
+    paged-against-contiguous test.)"""
     g = torch.Generator().manual_seed(m)
     q = torch.randn(1, 4, 1, 64, generator=g).to(dtype)
     k, v = (torch.randn(1, 1, m, 64, generator=g).to(dtype) for _ in range(2))

@@ -364,3 +364,20 @@ def test_opcheck_and_signature():
 def test_cuda_kernels(dtype, block_size):
     result = run_case(dtype, "rotary", 4, 4, block_size, d=64, device=CUDA_KERNELS_DEVICE, leftpad=True)
     check(result, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [5, 7])
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (8, 2)], ids=["mha", "gqa4"])
+def test_a_paged_cache_gives_the_contiguous_cache_s_bits(cpu_variant, dtype, block_size, heads, kv_heads):
+    """Blocks of 5 or 7 rows cut every key tile into short runs, whose logits the kernel takes key by
+    key; a contiguous cache's go through the path that reduces a vector's worth of keys' sums at
+    once (hsum_lanes). Both add in the same order, so the outputs are the same bits."""
+    g = torch.Generator().manual_seed(block_size + heads)
+    cache = Cache(2, 300, kv_heads, 64, dtype, block_size=block_size, generator=g)
+    q = torch.randn(2, 1, heads, 64, generator=g).to(dtype)
+    lengths = torch.tensor([300, 211], dtype=torch.int32)
+    k_paged, v_paged, extra = cache.tensors()
+    paged = flash_attn_with_kvcache(q, k_paged, v_paged, cache_seqlens=lengths, return_softmax_lse=True, **extra)
+    contiguous = flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=lengths, return_softmax_lse=True)
+    assert torch.equal(paged[0], contiguous[0]) and torch.equal(paged[1], contiguous[1])
