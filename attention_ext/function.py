@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - torch without it has no dead wrappers 
         return args
 
 from ._constants import CAUSAL_NAMES, lse_dtype
-from ._ops import below_autograd as _below_autograd, call_below_autograd, ops
+from ._ops import call_below_autograd, ops
 from .reference import masked_scores, softmax_lse
 
 

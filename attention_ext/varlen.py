@@ -25,8 +25,8 @@ from torch.autograd.function import once_differentiable
 from . import _arguments
 from ._arguments import enforce
 from ._constants import lse_dtype
-from ._ops import ops
-from .function import _below_autograd, sink_gradient
+from ._ops import below_autograd, ops
+from .function import sink_gradient
 
 __all__ = ["varlen_attention"]
 
@@ -99,7 +99,7 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     max_q, max_k, scale, causal, window_left, window_right, softcap = ctx.args
-    with _below_autograd():
+    with below_autograd():
         dq, dk, dv = ops.attention_varlen_bwd(grad_out, grad_lse, query, key, value, cu_q, cu_k, max_q, max_k, out,
                                               lse, scale, causal, window_left, window_right, softcap, alibi_slopes,
                                               sinks, ctx.dropout_p, rng_state)
@@ -117,7 +117,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(*args):
-        with _below_autograd():
+        with below_autograd():
             return ops.attention_varlen_fwd(*args)
 
     @staticmethod
@@ -219,7 +219,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     elif _needs_autograd(qh, kh, vh, sinks):
         out, lse = VarlenAttentionFunction.apply(*args)
     else:
-        with _below_autograd():
+        with below_autograd():
             out, lse = ops.attention_varlen_fwd(*args)
     out = out.permute(2, 0, 1, 3).flatten(1, 2)  # rows first again: contiguous as the kernels wrote it
     if not return_lse:

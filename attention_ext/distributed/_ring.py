@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .._constants import lse_dtype
-from .._ops import ops
-from ..function import _below_autograd
+from .._ops import below_autograd, ops
 from ._layout import Chunk, plan_calls
 
 # Message tags, so K, V and the travelling gradients never match each other's receives.
@@ -102,7 +101,7 @@ def ring_forward(ring: Ring, geometry: RingGeometry, query, key, value, scale):
         if step < ring.world - 1:
             requests, (k_next, v_next) = ring.shift((k_cur, v_cur), (_TAG_K, _TAG_V))
         start = time.perf_counter()
-        with _below_autograd():
+        with below_autograd():
             for call in geometry.calls((ring.rank - step) % ring.world):
                 part_out, part_lse = ops.attention_fwd(
                     _rows(query, call.q_lo, call.q_hi), _rows(k_cur, call.k_lo, call.k_hi),
@@ -131,7 +130,7 @@ def ring_backward(ring: Ring, geometry: RingGeometry, grad_out, grad_lse, query,
             kv_requests, (k_next, v_next) = ring.shift((k_cur, v_cur), (_TAG_K, _TAG_V))
         start = time.perf_counter()
         dk_part = dv_part = None
-        with _below_autograd():
+        with below_autograd():
             for call in geometry.calls((ring.rank - step) % ring.world):
                 rows = slice(call.q_lo, call.q_hi)
                 call_dq, call_dk, call_dv, _ = ops.attention_bwd(
