@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""The decode kernel's own work per key, with K and V held in cache.
+
+    OMP_NUM_THREADS=1 python benchmarks/decode_in_cache.py [--dtype float32] [--rows 1] [--tokens 64]
+
+K and V of one cache of `tokens` keys x 8 KV heads x d = 64 are expanded (stride 0) over 512 batch
+entries while the queries (4 query heads per KV head, `rows` query rows each) are distinct, so the
+decode kernel runs its full loop over 512 x 8 x tokens (key, KV head) pairs while reading the
+same few hundred KiB: what it costs per key when memory is not the limit. The cycle count uses
+the clock implied by the measured FMA peak (bench.measure_fma_peak on this thread count, 2 FMA
+pipes x the fp32 lanes x 2 flops per cycle).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+
+import attention_ext  # noqa: E402
+
+BATCH, KV_HEADS, HEADS_PER_KV, D = 512, 8, 4, 64
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--rows", type=int, default=1, help="query rows per head")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    a = ap.parse_args(argv)
+    dtype = getattr(torch, a.dtype)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, KV_HEADS, a.tokens, D, generator=g).to(dtype).expand(BATCH, -1, -1, -1)
+    v = torch.randn(1, KV_HEADS, a.tokens, D, generator=g).to(dtype).expand(BATCH, -1, -1, -1)
+    q = torch.randn(BATCH, KV_HEADS * HEADS_PER_KV, a.rows, D, generator=g).to(dtype)
+    with torch.no_grad():
+        for _ in range(3):
+            attention_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        best, start = float("inf"), time.perf_counter()
+        while time.perf_counter() - start < a.seconds:
+            t = time.perf_counter()
+            attention_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            best = min(best, time.perf_counter() - t)
+    peak = bench.measure_fma_peak()
+    lanes = {"avx512": 16, "avx512bf16": 16, "avx2": 8}.get(peak.get("variant"), 4)  # fp32 lanes
+    ghz = peak["gflops"] / peak["threads"] / (2 * lanes * 2)  # 2 FMA pipes x lanes x 2 flops
+    pairs = BATCH * KV_HEADS * a.tokens
+    per_pair = best / pairs
+    print(f"{bench.cpu_name()}, {torch.get_num_threads()} thread(s), {a.dtype}, {a.rows} query row(s) x "
+          f"{HEADS_PER_KV} heads per KV head, {a.tokens} tokens: {best * 1e3:.2f} ms, "
+          f"{per_pair * 1e9:.2f} ns = {per_pair * ghz * 1e9:.0f} cycles per (key, KV head) at {ghz:.2f} GHz "
+          f"(implied by the measured FMA peak, {peak['gflops']:.0f} GFLOP/s)")
+
+
+if __name__ == "__main__":
+    main()
