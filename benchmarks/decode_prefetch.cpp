@@ -1,9 +1,10 @@
 // Isolated micro-benchmark: how much of the streaming bandwidth one thread gets while reading K/V
 // in the decode kernel's order, with some work per row, under three prefetch schemes.
 //
-//   g++ -O3 -march=native -o /tmp/decode_prefetch benchmarks/decode_prefetch.cpp && /tmp/decode_prefetch
+//   g++ -O3 -march=native -o /tmp/decode_prefetch benchmarks/decode_prefetch.cpp && /tmp/decode_prefetch [tokens]
 //
-// The cache is fp32 (tokens, heads, d) = (32768, 8, 64), K and V (128 MiB each, past any cache).
+// The cache is fp32 (tokens, heads, d) = (32768, 8, 64), K and V (128 MiB each, past any cache;
+// a smaller `tokens` only checks that it runs).
 // Order (forward_decode.inc with kBlockN = 64): for each tile of 64 tokens, for each head, the
 // head's 64 K rows (256 B each, 2 KiB apart), then its 64 V rows. Per row: `work` rounds of 12
 // independent FMAs on registers besides the 4 that consume the row (the decode kernel does a few
@@ -22,7 +23,8 @@
 
 namespace {
 
-constexpr long kTokens = 32768, kHeads = 8, kDim = 64, kTile = 64;
+constexpr long kHeads = 8, kDim = 64, kTile = 64;
+long kTokens = 32768;
 float* key_cache;
 float* value_cache;
 volatile float sink;
@@ -97,7 +99,8 @@ double gbps(F&& f) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc > 1) kTokens = std::max(2 * kTile, std::atol(argv[1]) / kTile * kTile);
   const size_t bytes = kTokens * kHeads * kDim * sizeof(float);
   key_cache = static_cast<float*>(aligned_alloc(4096, bytes));
   value_cache = static_cast<float*>(aligned_alloc(4096, bytes));

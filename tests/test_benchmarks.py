@@ -3,6 +3,7 @@ The GPU benchmark has a CPU dry run (tiny shapes, the backends torch has on the 
 script a GPU session depends on is exercised on every machine."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -153,3 +154,37 @@ def test_call_overhead_benchmark_times_our_call_its_parts_and_the_floors(tmp_pat
     backward = groups["backward (autograd.grad of a kept graph)"]
     assert "floor: engine + one C++ node (x * 2)" in backward and "ours" in backward
     assert "µs" in (tmp_path / "overhead.md").read_text()
+
+
+@pytest.mark.slow_on_emulation
+def test_decode_in_cache_benchmark_reports_cycles_per_key():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "decode_in_cache.py"), "--tokens", "16",
+                           "--rows", "2", "--seconds", "0"],
+                          capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "cycles per (key, KV head)" in proc.stdout and "2 query row(s)" in proc.stdout
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or "avx512f" not in _cpu_flags(),
+                    reason="needs g++ and an AVX-512 CPU (the micro-benchmark is AVX-512 intrinsics)")
+def test_decode_prefetch_micro_benchmark_builds_and_fills_its_table(tmp_path):
+    exe = tmp_path / "decode_prefetch"
+    build = subprocess.run(["g++", "-O3", "-march=native", "-Wall", "-Wextra", "-Werror", "-o", str(exe),
+                            os.path.join(ROOT, "benchmarks", "decode_prefetch.cpp")],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-4000:]
+    proc = subprocess.run([str(exe), "1024"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("one thread, GB/s") and lines[1].split()[:3] == ["work", "FMAs", "none"]
+    table = [line.split() for line in lines[2:]]
+    assert [row[0] for row in table] == ["0", "2", "4", "6"]
+    assert all(len(row) == 8 and all(float(x) > 0 for x in row[2:]) for row in table)
