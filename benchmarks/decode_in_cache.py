@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The decode kernel's own work per key, with K and V held in cache.
 
-    OMP_NUM_THREADS=1 python benchmarks/decode_in_cache.py [--dtype float32] [--rows 1] [--tokens 64]
+    OMP_NUM_THREADS=1 python benchmarks/decode_in_cache.py [--dtype float32] [--rows 1] [--tokens 256]
 
 K and V of one cache of `tokens` keys x 8 KV heads x d = 64 are expanded (stride 0) over 512 batch
 entries while the queries (4 query heads per KV head, `rows` query rows each) are distinct, so the
@@ -31,7 +31,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rows", type=int, default=1, help="query rows per head")
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--seconds", type=float, default=2.0)
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype)

@@ -226,3 +226,22 @@ def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant
     for h in range(4):
         alone, alone_lse = attention(q[:, h:h + 1], k, v, return_lse=True)
         assert torch.equal(alone, grouped[:, h:h + 1]) and torch.equal(alone_lse, grouped_lse[:, h:h + 1]), h
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_decode_reads_every_bf16_value_exactly(cpu_variant, rows):
+    """V rows of bf16 are widened to fp32 as they are read (in place with one query row, packed
+    with several); with one key each output is 1 x v, so every one of the 65536 bit patterns,
+    infinities and NaNs included, must come back unchanged (through the padded tail as well; -0
+    comes back +0, the sum starting from +0)."""
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    values = torch.cat([bits, bits[:5]]).view(torch.bfloat16)  # 65541: a partial last vector
+    v = values.reshape(1, 1, 1, -1)
+    q = torch.ones(1, 1, rows, 8, dtype=torch.bfloat16)
+    k = torch.ones(1, 1, 1, 8, dtype=torch.bfloat16)
+    out = scaled_dot_product_attention(q, k, v)
+    for r in range(rows):
+        got = out[0, 0, r]
+        nan = torch.isnan(values)
+        assert torch.equal(torch.isnan(got), nan), cpu_variant
+        assert torch.equal(got[~nan].float(), values[~nan].float()), cpu_variant  # (-0 == +0)
