@@ -6,9 +6,10 @@
 K and V of one cache of `tokens` keys x 8 KV heads x d = 64 are expanded (stride 0) over 512 batch
 entries while the queries (4 query heads per KV head, `rows` query rows each) are distinct, so the
 decode kernel runs its full loop over 512 x 8 x tokens (key, KV head) pairs while reading the
-same few hundred KiB: what it costs per key when memory is not the limit. The cycle count uses
-the clock implied by the measured FMA peak (bench.measure_fma_peak on this thread count, 2 FMA
-pipes x the fp32 lanes x 2 flops per cycle).
+same 1 MiB (fp32, 256 tokens) held in L2: what it costs per key when memory is not the limit.
+The cycle count uses the clock implied by the measured FMA peak (bench.measure_fma_peak on this
+thread count, 2 FMA pipes x the fp32 lanes x 2 flops per cycle: on a core with one 512-bit FMA
+pipe the clock and the cycle counts come out half their true value).
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def main(argv=None):
     print(f"{bench.cpu_name()}, {torch.get_num_threads()} thread(s), {a.dtype}, {a.rows} query row(s) x "
           f"{HEADS_PER_KV} heads per KV head, {a.tokens} tokens: {best * 1e3:.2f} ms, "
           f"{per_pair * 1e9:.2f} ns = {per_pair * ghz * 1e9:.0f} cycles per (key, KV head) at {ghz:.2f} GHz "
-          f"(implied by the measured FMA peak, {peak['gflops']:.0f} GFLOP/s)")
+          f"(implied by the measured FMA peak, {peak['gflops']:.0f} GFLOP/s, assuming 2 FMA pipes)")
 
 
 if __name__ == "__main__":

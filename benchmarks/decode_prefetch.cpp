@@ -3,7 +3,7 @@
 //
 //   g++ -O3 -march=native -o /tmp/decode_prefetch benchmarks/decode_prefetch.cpp && /tmp/decode_prefetch [tokens]
 //
-// The cache is fp32 (tokens, heads, d) = (32768, 8, 64), K and V (128 MiB each, past any cache;
+// The cache is fp32 (tokens, heads, d) = (32768, 8, 64), K and V (64 MiB each, past the caches;
 // a smaller `tokens` only checks that it runs).
 // Order (forward_decode.inc with kBlockN = 64): for each tile of 64 tokens, for each head, the
 // head's 64 K rows (256 B each, 2 KiB apart), then its 64 V rows. Per row: `work` rounds of 12
