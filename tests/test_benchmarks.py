@@ -165,15 +165,8 @@ def test_decode_in_cache_benchmark_reports_cycles_per_key():
     assert "cycles per (key, KV head)" in proc.stdout and "2 query row(s)" in proc.stdout
 
 
-def _cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
-
-
-@pytest.mark.skipif(shutil.which("g++") is None or "avx512f" not in _cpu_flags(),
+@pytest.mark.skipif(shutil.which("g++") is None
+                    or "avx512" not in attention_ext.build_info()["cpu_variants_supported"].split(","),
                     reason="needs g++ and an AVX-512 CPU (the micro-benchmark is AVX-512 intrinsics)")
 def test_decode_prefetch_micro_benchmark_builds_and_fills_its_table(tmp_path):
     exe = tmp_path / "decode_prefetch"
