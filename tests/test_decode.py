@@ -228,14 +228,15 @@ def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant
         assert torch.equal(alone, grouped[:, h:h + 1]) and torch.equal(alone_lse, grouped_lse[:, h:h + 1]), h
 
 
-@pytest.mark.parametrize("rows, tail", [(1, 0), (1, 5), (2, 0), (2, 5)],
-                         ids=["in_place", "one_row_packed", "several_rows", "several_rows_tail"])
+@pytest.mark.parametrize("rows, tail", [(1, 0), (1, 5), (2, 0), (2, 5), (8, 0)],
+                         ids=["in_place", "one_row_packed", "several_rows_in_place", "several_rows_tail",
+                              "many_rows_packed"])
 def test_decode_reads_every_bf16_value_exactly(cpu_variant, rows, tail):
-    """V rows of bf16 are widened to fp32 as they are read: in place with one query row and whole
-    vectors (dv = 65536), converted into a tile otherwise (a partial last vector: dv = 65541; or
-    several query rows). With one key each output is 1 x v, so every one of the 65536 bit
-    patterns, infinities and NaNs included, must come back unchanged (-0 comes back +0: the sum
-    starts from +0)."""
+    """V rows of bf16 are widened to fp32 as they are read: in place with whole vectors (dv =
+    65536) by one query row, or by up to four through the GEMM's register block; converted into a
+    tile otherwise (a partial last vector: dv = 65541; or more rows than one register block). With
+    one key each output is 1 x v, so every one of the 65536 bit patterns, infinities and NaNs
+    included, must come back unchanged (-0 comes back +0: the sum starts from +0)."""
     bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
     values = torch.cat([bits, bits[:tail]]).view(torch.bfloat16)
     v = values.reshape(1, 1, 1, -1)
