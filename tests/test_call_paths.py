@@ -117,6 +117,33 @@ def test_the_common_inference_call_skips_the_argument_handling_and_gives_the_sam
         assert torch.equal(a, b)
 
 
+def test_a_gqa_call_takes_the_lean_path_with_the_full_path_s_bits_and_gradients(monkeypatch):
+    """enable_gqa splits the query heads into (K/V heads, groups) as views on the lean path too:
+    outputs, lse and gradients are the full path's, bit for bit."""
+    from attention_ext import api
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 6, 3, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 3, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = attention_ext.attention(*leaves, causal="bottom_right", enable_gqa=True, return_lse=True)
+        (out.sum() + lse.sum()).backward()
+        with torch.no_grad():
+            plain = attention_ext.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return [out, lse, plain] + [t.grad for t in leaves]
+
+    monkeypatch.setattr(api, "_lean_forward", lambda *args, **kwargs: None)
+    full = run()
+    monkeypatch.undo()
+    full_calls = count_full_path_calls(monkeypatch)
+    lean = run()
+    assert full_calls == []
+    assert full[0].shape == (2, 6, 3, 8) and full[1].shape == (2, 6, 3)
+    for a, b in zip(full, lean):
+        assert torch.equal(a, b)
+
+
 def test_the_lean_path_records_the_autograd_function_when_an_input_requires_grad(monkeypatch):
     q, k, v = inputs(n=3, m=9)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -138,13 +165,15 @@ def test_every_other_call_takes_the_full_path_and_its_checks(monkeypatch):
     attention_ext.attention(q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.bool))
     attention_ext.attention(q, k, v, window=(2, 0))
     attention_ext.attention(q, k[:1], v[:1])  # broadcast leading dims
-    attention_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    attention_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True, attn_mask=torch.ones(5, 7, dtype=torch.bool))
     attention_ext.attention(q, k, v, scale=1)  # an int scale: converted there
     with fwAD.dual_level():
         attention_ext.attention(fwAD.make_dual(q, torch.ones_like(q)), k, v)
     assert len(calls) == 6
     # Errors are still the full path's.
     import pytest
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        attention_ext.scaled_dot_product_attention(q, k[:, :2], v[:, :2], enable_gqa=True)
     with pytest.raises(TypeError, match="same dtype"):
         attention_ext.attention(q, k.float(), v)
     with pytest.raises(ValueError, match="same head dim"):
