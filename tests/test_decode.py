@@ -213,17 +213,19 @@ def test_decode_gqa_low_precision_and_thread_count(n):
     assert_close_to_reference(results[0], ref, torch.bfloat16, budget=budget)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("groups", [4, 2])  # four rows share each key vector; two: row by row
 @pytest.mark.parametrize("m", [70, 200])  # whole vectors of keys and a few more; one key range
-def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant, dtype, m):
+def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant, dtype, groups, m):
     """Each logit is one dot product summed in one fixed order, whichever other query rows share
-    the call (one row, or a GQA group's four). (Where its key falls in the tile: test_kv_cache's
-    paged-against-contiguous test.)"""
+    the call (one row, or a GQA group's two or four: fp16/bf16 K read in place for four, packed
+    for two; V in place through the GEMM for both). (Where its key falls in the tile:
+    test_kv_cache's paged-against-contiguous test.)"""
     g = torch.Generator().manual_seed(m)
-    q = torch.randn(1, 4, 1, 64, generator=g).to(dtype)
+    q = torch.randn(1, groups, 1, 64, generator=g).to(dtype)
     k, v = (torch.randn(1, 1, m, 64, generator=g).to(dtype) for _ in range(2))
     grouped, grouped_lse = attention(q, k, v, enable_gqa=True, return_lse=True)
-    for h in range(4):
+    for h in range(groups):
         alone, alone_lse = attention(q[:, h:h + 1], k, v, return_lse=True)
         assert torch.equal(alone, grouped[:, h:h + 1]) and torch.equal(alone_lse, grouped_lse[:, h:h + 1]), h
 
