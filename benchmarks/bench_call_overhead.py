@@ -1,6 +1,6 @@
 """Where the microseconds of a small call go: our call beside its parts and the floors under them.
 
-    python benchmarks/bench_call_overhead.py [--shape 1x4x1x64x32] [--reps 15] [--out PREFIX]
+    python benchmarks/bench_call_overhead.py [--shape 1x4x1x64x32] [--kv-heads N] [--reps 15] [--out PREFIX]
 
 For one small shape (B×H×n×m×d, fp32, CPU) it times, interleaved in one run (median of --reps
 samples, each a loop of back-to-back calls lasting >= 20 ms):
@@ -17,6 +17,11 @@ Function and its node are the documented autograd path, whose floor is set by to
 SDPA is compared in bench.py (--shapes 1x4x1x64x32,...): its kernels start the thread pool even
 for these sizes, and interleaved with single-threaded calls its times here swing by 100x on a
 shared VM, so they are not repeated in this table.
+With --kv-heads N (a divisor of H), K and V have N heads and ours is called with enable_gqa=True
+(a GQA decode step); the op alone then takes the query heads split into (N, H/N) and K/V with a
+broadcast dim, as the library passes them, and the forward without autograd is also timed through
+torch's SDPA with enable_gqa (a decode step's comparison; subject to the swings above: compare
+the minima too).
 """
 from __future__ import annotations
 
@@ -80,24 +85,37 @@ class PythonFunctionFloor(torch.autograd.Function):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1x4x1x64x32", help="BxHxnxmxd")
+    ap.add_argument("--kv-heads", type=int, default=None, help="K/V heads (GQA), a divisor of H")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     a = ap.parse_args(argv)
     b, h, n, m, d = (int(x) for x in a.shape.split("x"))
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, h, length, d, generator=g) for length in (n, m, m))
+    kv_heads = a.kv_heads or h
+    if h % kv_heads != 0:
+        ap.error(f"--kv-heads {kv_heads} must divide the {h} query heads")
+    gqa = kv_heads != h
+    q = torch.randn(b, h, n, d, generator=g)
+    k, v = (torch.randn(b, kv_heads, m, d, generator=g) for _ in range(2))
     grad_out = torch.randn(b, h, n, d, generator=g)
     scale = d ** -0.5
-    fwd_args = (q, k, v, None, scale, 0, -1, -1, 0.0, None, None, 0.0, None)
+    # The op's view of a GQA call: query heads (kv_heads, groups), K/V a broadcast dim.
+    q_op, grad_op = ((t.unflatten(1, (kv_heads, h // kv_heads)) if gqa else t) for t in (q, grad_out))
+    k_op, v_op = ((t.unsqueeze(2) if gqa else t) for t in (k, v))
+    fwd_args = (q_op, k_op, v_op, None, scale, 0, -1, -1, 0.0, None, None, 0.0, None)
     out, lse = call_below_autograd(ops.attention_fwd, *fwd_args)
-    bwd_args = (grad_out, None, q, k, v, None, out, lse, scale, 0, -1, -1, 0.0, None, None, 0.0, None, False, False)
+    bwd_args = (grad_op, None, q_op, k_op, v_op, None, out, lse, scale, 0, -1, -1, 0.0, None, None, 0.0, None, False,
+                False)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def ours(*args):
+        return attention_ext.scaled_dot_product_attention(*args, enable_gqa=gqa)
 
     def graph(fn):
         result = fn(*leaves)
         return result[0] if isinstance(result, tuple) else result
 
-    ours_graph = graph(attention_ext.scaled_dot_product_attention)
+    ours_graph = graph(ours)
     floor_graph = graph(PythonFunctionFloor.apply)
     x = torch.randn(4, requires_grad=True)
     one_node = x * 2
@@ -107,13 +125,16 @@ def main(argv=None):
         return lambda: torch.autograd.grad(result, leaves, grad_out, retain_graph=True)
 
     direct = "direct entry" if _ops._DIRECT_ENTRIES else "torch.ops (JIT build: no direct entry)"
+    torch_sdpa = {"torch SDPA (enable_gqa)": lambda: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, enable_gqa=True)} if gqa else {}
     groups = {
         "forward, no autograd": {
-            "ours": lambda: attention_ext.scaled_dot_product_attention(q, k, v),
+            "ours": lambda: ours(q, k, v),
             f"the op alone ({direct})": lambda: call_below_autograd(ops.attention_fwd, *fwd_args),
+            **torch_sdpa,
         },
         "forward, recording autograd": {
-            "ours (autograd Function)": lambda: attention_ext.scaled_dot_product_attention(*leaves),
+            "ours (autograd Function)": lambda: ours(*leaves),
             "floor: a Python Function, no kernel": lambda: PythonFunctionFloor.apply(*leaves),
         },
         "backward (autograd.grad of a kept graph)": {
@@ -132,9 +153,11 @@ def main(argv=None):
         "",
         f"- {bench.cpu_name()}; torch {torch.__version__} ({torch.get_num_threads()} threads); attention_ext "
         f"{attention_ext.__version__} cpu_variant=`{attention_ext.cpu_variant()}`",
-        f"- command: `python benchmarks/bench_call_overhead.py --shape {a.shape} --reps {a.reps}"
+        f"- command: `python benchmarks/bench_call_overhead.py --shape {a.shape}"
+        + (f" --kv-heads {a.kv_heads}" if a.kv_heads else "") + f" --reps {a.reps}"
         + (f" --out {a.out}`" if a.out else "`"),
-        f"- shape {a.shape} (BxHxnxmxd); µs per call, median of {a.reps} interleaved samples (each >= 20 ms of "
+        f"- shape {a.shape} (BxHxnxmxd)" + (f", {kv_heads} K/V heads (enable_gqa)" if gqa else "")
+        + "; µs per call, median of {a.reps} interleaved samples (each >= 20 ms of "
         "back-to-back calls), min–max beside it",
         "- load average before/after: " + " ".join(f"{x:.2f}" for x in load_before) + " / "
         + " ".join(f"{x:.2f}" for x in load_after),
@@ -144,7 +167,7 @@ def main(argv=None):
         lines += [f"## {group}", "", "| call | µs | min–max |", "|---|---:|---:|"]
         lines += [f"| {name} | {med:.1f} | {lo:.1f}–{hi:.1f} |" for name, (med, lo, hi) in rows.items()]
         lines.append("")
-    publish(a.out, "\n".join(lines), {"shape": a.shape, "reps": a.reps, "cpu": bench.cpu_name(),
+    publish(a.out, "\n".join(lines), {"shape": a.shape, "kv_heads": kv_heads, "reps": a.reps, "cpu": bench.cpu_name(),
                                       "results": {g: {k: list(v) for k, v in r.items()} for g, r in results.items()}})
 
 

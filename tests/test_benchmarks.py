@@ -156,6 +156,21 @@ def test_call_overhead_benchmark_times_our_call_its_parts_and_the_floors(tmp_pat
     assert "µs" in (tmp_path / "overhead.md").read_text()
 
 
+def test_call_overhead_benchmark_times_a_gqa_call_beside_torch_s(tmp_path):
+    prefix = tmp_path / "gqa"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_call_overhead.py"), "--shape",
+                           "1x4x1x20x16", "--kv-heads", "2", "--reps", "1", "--out", str(prefix)],
+                          capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "gqa.json").read_text())
+    assert result["kv_heads"] == 2
+    forward = result["results"]["forward, no autograd"]
+    assert set(forward) == {"ours", "the op alone (direct entry)", "torch SDPA (enable_gqa)"} or \
+        set(forward) == {"ours", "the op alone (torch.ops (JIT build: no direct entry))", "torch SDPA (enable_gqa)"}
+    assert all(row[0] > 0 for rows in result["results"].values() for row in rows.values())
+    assert "--kv-heads 2" in (tmp_path / "gqa.md").read_text()
+
+
 @pytest.mark.slow_on_emulation
 def test_decode_in_cache_benchmark_reports_cycles_per_key():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "decode_in_cache.py"), "--tokens", "16",
