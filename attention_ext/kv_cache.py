@@ -35,6 +35,7 @@ import torch
 from . import _arguments
 from ._constants import lse_dtype
 from ._ops import ops
+from .api import _check_scale, _check_softcap
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -122,8 +123,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     """FlashAttention 2's flash_attn_with_kvcache (see the module docstring)."""
-    from .api import _check_scale, _check_softcap
-
     paged = block_table is not None
     _check_tensors(q, k_cache, v_cache, k, v, paged)
     batch, seqlen_q, heads, _ = q.shape
