@@ -230,6 +230,25 @@ def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant
         assert torch.equal(alone, grouped[:, h:h + 1]) and torch.equal(alone_lse, grouped_lse[:, h:h + 1]), h
 
 
+STORAGE_ORDER = [(2, 2, 1), (8, 2, 1), (4, 2, 2), (4, 4, 4), (2, 2, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("hq,hkv,n", STORAGE_ORDER, ids=[f"{a}q{b}kv_n{c}" for a, b, c in STORAGE_ORDER])
+def test_decode_interleaved_heads_give_the_same_bits_as_heads_stored_apart(cpu_variant, dtype, hq, hkv, n):
+    """K/V heads stored interleaved ((batch, tokens, heads, d), a KV cache's layout) are read a
+    key's rows of every head at a time and copied head by head before the arithmetic; every sum
+    is the one of heads stored apart, so the bits are too. (64 batch entries: one key range per
+    head either way; 200 keys: three whole tiles and a short one. Three rows of bf16/fp16 take
+    the head-by-head loop, the others the storage order.)"""
+    g = torch.Generator().manual_seed(hq * 10 + n)
+    q = heads_then_tokens(64, hq, n, 64, g, True).to(dtype)
+    k, v = (heads_then_tokens(64, hkv, 200, 64, g, True).to(dtype) for _ in range(2))
+    interleaved, interleaved_lse = attention(q, k, v, enable_gqa=True, return_lse=True)
+    apart, apart_lse = attention(q, k.contiguous(), v.contiguous(), enable_gqa=True, return_lse=True)
+    assert torch.equal(interleaved, apart) and torch.equal(interleaved_lse, apart_lse)
+
+
 @pytest.mark.parametrize("rows, tail", [(1, 0), (1, 5), (2, 0), (2, 5), (8, 0)],
                          ids=["in_place", "one_row_packed", "several_rows_in_place", "several_rows_tail",
                               "many_rows_packed"])
