@@ -230,7 +230,7 @@ def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant
         assert torch.equal(alone, grouped[:, h:h + 1]) and torch.equal(alone_lse, grouped_lse[:, h:h + 1]), h
 
 
-STORAGE_ORDER = [(2, 2, 1), (8, 2, 1), (4, 2, 2), (4, 4, 4), (2, 2, 3)]
+STORAGE_ORDER = [(2, 2, 1), (8, 2, 1), (4, 2, 2), (4, 4, 4), (2, 2, 3), (8, 2, 2), (6, 2, 3)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
@@ -239,8 +239,9 @@ def test_decode_interleaved_heads_give_the_same_bits_as_heads_stored_apart(cpu_v
     """K/V heads stored interleaved ((batch, tokens, heads, d), a KV cache's layout) are read a
     key's rows of every head at a time and copied head by head before the arithmetic; every sum
     is the one of heads stored apart, so the bits are too. (64 batch entries: one key range per
-    head either way; 200 keys: three whole tiles and a short one. Three rows of bf16/fp16 take
-    the head-by-head loop, the others the storage order.)"""
+    head either way; 200 keys: three whole tiles and a short one. bf16/fp16 rows are copied as
+    they are, or converted where they would be converted head by head: K for three rows, V for
+    more than four, both for nine.)"""
     g = torch.Generator().manual_seed(hq * 10 + n)
     q = heads_then_tokens(64, hq, n, 64, g, True).to(dtype)
     k, v = (heads_then_tokens(64, hkv, 200, 64, g, True).to(dtype) for _ in range(2))
