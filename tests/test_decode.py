@@ -238,13 +238,13 @@ STORAGE_ORDER = [(2, 2, 1), (8, 2, 1), (4, 2, 2), (4, 4, 4), (2, 2, 3), (8, 2, 2
 def test_decode_interleaved_heads_give_the_same_bits_as_heads_stored_apart(cpu_variant, dtype, hq, hkv, n):
     """K/V heads stored interleaved ((batch, tokens, heads, d), a KV cache's layout) are read a
     key's rows of every head at a time and copied head by head before the arithmetic; every sum
-    is the one of heads stored apart, so the bits are too. (64 batch entries: one key range per
-    head either way; 200 keys: three whole tiles and a short one. bf16/fp16 rows are copied as
-    they are, or converted where they would be converted head by head: K for three rows, V for
-    more than four, both for nine.)"""
+    is the one of heads stored apart, so the bits are too when the keys are split into the same
+    ranges. (64 batch entries: one key range per head either way; 203 keys: three whole tiles and
+    a short one, whose last chunk of 11 keys ends with keys taken one by one. bf16/fp16 rows are
+    copied as they are, or converted: K for three rows, V for more than four, both for nine.)"""
     g = torch.Generator().manual_seed(hq * 10 + n)
     q = heads_then_tokens(64, hq, n, 64, g, True).to(dtype)
-    k, v = (heads_then_tokens(64, hkv, 200, 64, g, True).to(dtype) for _ in range(2))
+    k, v = (heads_then_tokens(64, hkv, 203, 64, g, True).to(dtype) for _ in range(2))
     interleaved, interleaved_lse = attention(q, k, v, enable_gqa=True, return_lse=True)
     apart, apart_lse = attention(q, k.contiguous(), v.contiguous(), enable_gqa=True, return_lse=True)
     assert torch.equal(interleaved, apart) and torch.equal(interleaved_lse, apart_lse)

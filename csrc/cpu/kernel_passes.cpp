@@ -94,12 +94,14 @@ bool use_fused_backward(const AttentionParams& p, const std::string& forced) {
 
 // Key ranges of the decode forward (n <= kDecodeRows). A function of the shape alone, never of
 // the thread count, so results are bitwise the same on any number of threads: enough items to
-// keep a large pool busy, each range at least kMinSplitKeys keys, however many K/V heads an item
-// walks in lockstep, so that merging stays cheap. (Counting the lockstep heads' keys together cut
-// a 2048-token cache of 8 interleaved K/V heads into 32 one-tile ranges, each packing all 32 query
-// heads' rows and leaving partial outputs for all of them: 1.25-1.4x slower on a Zen 3 than 4 ranges.)
+// keep a large pool busy, each range at least kMinSplitKeys keys of one K/V head (K/V heads
+// walked in lockstep share the minimum) so that merging stays cheap, and at least kMinRangeKeys
+// keys: a range's first rows are not prefetched, and it packs the query rows and leaves partial
+// outputs of all its heads. (Without that floor a 2048-token cache of 8 interleaved K/V heads
+// was cut into 32 one-tile ranges; on a Zen 3, 8 ranges ran 1.0-1.15x faster in two A/B runs.)
 constexpr int64_t kDecodeItems = 64;
 constexpr int64_t kMinSplitKeys = 512;
+constexpr int64_t kMinRangeKeys = 256;
 
 // The ranges cover only the keys some row can see (a sliding window's few, of a long cache).
 void set_decode_splits(AttentionParams& p) {
@@ -109,7 +111,8 @@ void set_decode_splits(AttentionParams& p) {
   const int64_t head_groups = p.batch_numel / grouping.heads();
   int64_t splits = 1;
   if (head_groups < kDecodeItems)
-    splits = imax(1, imin(ceil_div(kDecodeItems, head_groups), keys / kMinSplitKeys));
+    splits = imax(1, imin(imin(ceil_div(kDecodeItems, head_groups), keys * grouping.lockstep / kMinSplitKeys),
+                          keys / kMinRangeKeys));
   p.split_keys = ceil_div(ceil_div(keys, splits), kBlockN) * kBlockN;
   p.kv_splits = ceil_div(keys, p.split_keys);
 }
