@@ -8,7 +8,8 @@
 #endif
 #include "../include/attention_ext/attention_ext.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/randint.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>

@@ -1,5 +1,6 @@
 #include "kv_cache.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>

@@ -14,7 +14,7 @@
 // query (B, heads..., n, d), caches (B_cache | num_blocks, heads..., S_max | block_size, d);
 // out (B, heads..., n, d_v) viewing memory laid out (B, n, heads..., d_v); lse (B, heads..., n).
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h, which declares every operator: 4x the parse time
 
 #include <optional>
 #include <vector>

@@ -1,5 +1,7 @@
 #include "op_arguments.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>

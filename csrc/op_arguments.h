@@ -2,7 +2,7 @@
 // of tensors into AttentionParams. Every check names the tensor, what it got and what was
 // expected, because the ops are public (torch.ops.attention_ext.*) as well as used by Python.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h, which declares every operator: 4x the parse time
 
 #include <optional>
 #include <string>

@@ -1,5 +1,6 @@
 #include "packed_sequences.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>

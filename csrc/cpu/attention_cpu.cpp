@@ -1,6 +1,7 @@
 // CPU implementations of the attention ops: validation -> AttentionParams -> the passes of the
 // active kernel variant (kernel_passes.h). The packed ops run one dense call per sequence.
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cstdlib>

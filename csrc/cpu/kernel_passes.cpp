@@ -1,6 +1,7 @@
 #include "kernel_passes.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <atomic>

@@ -4,7 +4,7 @@
 // torch.set_num_threads applies). Work items are independent and write disjoint outputs, so the
 // results do not depend on the thread count.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h, which declares every operator: 4x the parse time
 
 #include <vector>
 

@@ -8,7 +8,8 @@
 // In an ATTN_CUDA_EMULATION build (setup.py, ATTENTION_EXT_CUDA_EMULATION=1) the same binding is
 // registered for CPU tensors and the kernels run on host threads (../cuda_emulation/emulation.h): no device, guard
 // or stream.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 #ifndef ATTN_CUDA_EMULATION
 #include <c10/cuda/CUDAException.h>
