@@ -75,9 +75,10 @@ def extensions():
     link_flags = description["ldflags"]
     define_macros = []
     if os.environ.get("ATTENTION_EXT_SANITIZE"):
-        # e.g. ATTENTION_EXT_SANITIZE=address,undefined for the sanitizer CI job
+        # e.g. ATTENTION_EXT_SANITIZE=address,undefined for the sanitizer CI job; -g1: line tables
+        # for the reports' stack traces, without the cost of full debug info
         san = "-fsanitize=" + os.environ["ATTENTION_EXT_SANITIZE"]
-        cxx_flags = [f for f in cxx_flags if f != "-O3"] + ["-O1", "-g", "-fno-omit-frame-pointer", san,
+        cxx_flags = [f for f in cxx_flags if f != "-O3"] + ["-O1", "-g1", "-fno-omit-frame-pointer", san,
                                                              "-fno-sanitize-recover=all"]
         link_flags.append(san)
     if _flag("ATTENTION_EXT_CUDA_EMULATION"):
@@ -137,12 +138,27 @@ def write_build_config():
 write_build_config()
 
 
+class BuildExtensionKeepingObjects(BuildExtension.with_options(use_ninja=True)):
+    """torch's ninja build, with the objects of an editable install (pip install -e .) kept in
+    build/ like those of every other build of this checkout. setuptools hands an editable build a
+    fresh temporary folder, so each editable install used to recompile all of csrc/ (minutes); in
+    build/, ninja recompiles only what changed, by source, header or command line."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if getattr(self, "editable_mode", False):
+            import sysconfig
+
+            tag = f".{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+            self.build_temp = os.path.join(ROOT, "build", "temp" + tag)
+
+
 # Name, description, extras and the rest of the metadata are in pyproject.toml.
 setup(
     license="BSD-3-Clause",
     # numpy: torch warns on import ("Failed to initialize NumPy") when it is missing.
     install_requires=[torch_requirement(), "numpy"],
     ext_modules=extensions(),
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtensionKeepingObjects},
     zip_safe=False,
 )
