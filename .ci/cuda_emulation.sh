@@ -25,7 +25,9 @@ python -c "import attention_ext, sys; info = attention_ext.build_info(); \
   sys.exit(0 if info['cuda_emulation'] == '1' and attention_ext.__file__.startswith('$work') \
   else 'not the emulation build: ' + attention_ext.__file__)"
 status=0
-python -m pytest tests -q -p no:cacheprovider "$@" > pytest.log 2>&1 || status=$?
+# The emulation runs a launch on the calling thread: two pytest workers (pytest-xdist), one thread
+# each, keep both cores busy.
+OMP_NUM_THREADS=1 python -m pytest tests -q -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" "$@" > pytest.log 2>&1 || status=$?
 tail -15 pytest.log
 [ "$status" = 0 ] || { echo "the test suite on the emulated CUDA kernels failed (exit $status):"; grep -E "^(FAILED|ERROR)" pytest.log | head -40; }
 exit "$status"

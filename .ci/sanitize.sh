@@ -40,7 +40,11 @@ grep -q libasan <<<"$deps" || { echo "$so is not linked against libasan"; exit 1
 LD_PRELOAD="$asan:$ubsan" python -c "import attention_ext, sys; f = attention_ext._build.load_extension(); \
   sys.exit(0 if attention_ext.__file__.startswith('$work') else 'loaded ' + attention_ext.__file__)"
 status=0
-LD_PRELOAD="$asan:$ubsan" python -m pytest tests -q -x -p no:cacheprovider "$@" > pytest.log 2>&1 || status=$?
+# Two pytest workers (pytest-xdist): much of the suite is single-threaded Python and ASan-slowed
+# bookkeeping, which one process leaves the second core idle for. Each worker keeps the default
+# thread count, so the kernels' parallel paths run instrumented too.
+LD_PRELOAD="$asan:$ubsan" python -m pytest tests -q -x -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" "$@" \
+  > pytest.log 2>&1 || status=$?
 tail -15 pytest.log
 # (The files also collect harmless warnings, e.g. "failed to allocate" for the fuzzed sizes.)
 reports=$(grep -lE "ERROR: AddressSanitizer|runtime error:" "$work"/sanitizer.* 2>/dev/null || true)

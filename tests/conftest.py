@@ -41,6 +41,18 @@ EMULATION_REQUESTED = os.environ.get("ATTENTION_EXT_CUDA_EMULATION", "0").lower(
 # binding is registered for CPU tensors), else a CUDA device if there is one, else None.
 CUDA_KERNELS_DEVICE = "cpu" if CUDA_EMULATION else ("cuda" if torch.cuda.is_available() else None)
 
+def gradcheck(fn, inputs, **kwargs):
+    """torch.autograd.gradcheck; on the emulated CUDA kernels in fast mode (a few random directions
+    instead of one per input element: the same check of the kernels' gradients for a hundredth of
+    the launches, each of which costs the emulation a fiber per CUDA thread)."""
+    return torch.autograd.gradcheck(fn, inputs, fast_mode=CUDA_EMULATION, **kwargs)
+
+
+def gradgradcheck(fn, inputs, **kwargs):
+    """torch.autograd.gradgradcheck, in fast mode on the emulated CUDA kernels (see gradcheck)."""
+    return torch.autograd.gradgradcheck(fn, inputs, fast_mode=CUDA_EMULATION, **kwargs)
+
+
 OPS = ("attention_fwd", "attention_bwd", "attention_probs", "dropout_keep_mask")
 # The source file of the CUDA binding (its TORCH_LIBRARY_IMPL block), as the dispatcher records it.
 CUDA_BINDING_SOURCE = "cuda/attention_cuda.cpp"

@@ -18,7 +18,7 @@ import attention_ext
 from attention_ext.reference import attention_reference
 
 from conftest import (ATOL, CUDA_KERNELS_DEVICE, FLOAT_DTYPES, assert_close_to_reference,
-                      assert_grads_close_to_reference, rand)
+                      assert_grads_close_to_reference, gradcheck, gradgradcheck, rand)
 from test_window import inputs
 
 ops = torch.ops.attention_ext
@@ -85,17 +85,17 @@ def test_gradcheck_in_float64_with_every_modifier_combined():
                                        alibi_slopes=slopes, sinks=sinks, dropout_p=0.3, enable_gqa=True,
                                        return_lse=True)
 
-    assert torch.autograd.gradcheck(everything, (q, k, v, mask, sinks))
+    assert gradcheck(everything, (q, k, v, mask, sinks))
 
     def capped(q, k, v, mask, sinks):
         return attention_ext.attention(q, k, v, attn_mask=mask, softcap=0.9, alibi_slopes=slopes, sinks=sinks,
                                        enable_gqa=True, return_lse=True)
 
-    assert torch.autograd.gradgradcheck(capped, (q, k, v, mask, sinks))
-    assert torch.autograd.gradcheck(capped, (q, k, v, mask, sinks), check_forward_ad=True, check_backward_ad=False)
+    assert gradgradcheck(capped, (q, k, v, mask, sinks))
+    assert gradcheck(capped, (q, k, v, mask, sinks), check_forward_ad=True, check_backward_ad=False)
     weights = lambda q, k, mask, sinks: attention_ext.attention_weights(  # noqa: E731
         q, k, attn_mask=mask, softcap=0.6, alibi_slopes=slopes, sinks=sinks, window=(3, 1), enable_gqa=True)
-    assert torch.autograd.gradcheck(weights, (q, k, mask, sinks), check_forward_ad=True)
+    assert gradcheck(weights, (q, k, mask, sinks), check_forward_ad=True)
 
 
 def test_a_float_mask_gets_the_gradient_of_the_capped_logit():
