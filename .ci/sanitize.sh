@@ -39,11 +39,14 @@ deps=$(ldd "$so")
 grep -q libasan <<<"$deps" || { echo "$so is not linked against libasan"; exit 1; }
 LD_PRELOAD="$asan:$ubsan" python -c "import attention_ext, sys; f = attention_ext._build.load_extension(); \
   sys.exit(0 if attention_ext.__file__.startswith('$work') else 'loaded ' + attention_ext.__file__)"
+# (.ci/run installs pytest-xdist; run alone without it, the suite runs in one process.)
+workers=(); python -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-2}") \
+  || echo "pytest-xdist is not installed: one pytest process"
 status=0
 # Two pytest workers (pytest-xdist): much of the suite is single-threaded Python and ASan-slowed
 # bookkeeping, which one process leaves the second core idle for. Each worker keeps the default
 # thread count, so the kernels' parallel paths run instrumented too.
-LD_PRELOAD="$asan:$ubsan" python -m pytest tests -q -x -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" "$@" \
+LD_PRELOAD="$asan:$ubsan" python -m pytest tests -q -x -p no:cacheprovider "${workers[@]}" "$@" \
   > pytest.log 2>&1 || status=$?
 tail -15 pytest.log
 # (The files also collect harmless warnings, e.g. "failed to allocate" for the fuzzed sizes.)
