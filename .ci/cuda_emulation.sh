@@ -25,12 +25,12 @@ python -c "import attention_ext, sys; info = attention_ext.build_info(); \
   sys.exit(0 if info['cuda_emulation'] == '1' and attention_ext.__file__.startswith('$work') \
   else 'not the emulation build: ' + attention_ext.__file__)"
 # (.ci/run installs pytest-xdist; run alone without it, the suite runs in one process.)
-workers=(); python -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-2}") \
-  || echo "pytest-xdist is not installed: one pytest process"
-status=0
 # The emulation runs a launch on the calling thread: two pytest workers (pytest-xdist), one thread
 # each, keep both cores busy.
-OMP_NUM_THREADS=1 python -m pytest tests -q -p no:cacheprovider "${workers[@]}" "$@" > pytest.log 2>&1 || status=$?
+workers=(); python -c "import xdist" 2>/dev/null && { workers=(-n "${PYTEST_WORKERS:-2}" --dist loadgroup); export OMP_NUM_THREADS=1; } \
+  || echo "pytest-xdist is not installed: one pytest process"
+status=0
+python -m pytest tests -q -p no:cacheprovider "${workers[@]}" "$@" > pytest.log 2>&1 || status=$?
 tail -15 pytest.log
 [ "$status" = 0 ] || { echo "the test suite on the emulated CUDA kernels failed (exit $status):"; grep -E "^(FAILED|ERROR)" pytest.log | head -40; }
 exit "$status"

@@ -40,7 +40,7 @@ grep -q libasan <<<"$deps" || { echo "$so is not linked against libasan"; exit 1
 LD_PRELOAD="$asan:$ubsan" python -c "import attention_ext, sys; f = attention_ext._build.load_extension(); \
   sys.exit(0 if attention_ext.__file__.startswith('$work') else 'loaded ' + attention_ext.__file__)"
 # (.ci/run installs pytest-xdist; run alone without it, the suite runs in one process.)
-workers=(); python -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-2}") \
+workers=(); python -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-2}" --dist loadgroup) \
   || echo "pytest-xdist is not installed: one pytest process"
 status=0
 # Two pytest workers (pytest-xdist): much of the suite is single-threaded Python and ASan-slowed

@@ -42,9 +42,10 @@ EMULATION_REQUESTED = os.environ.get("ATTENTION_EXT_CUDA_EMULATION", "0").lower(
 CUDA_KERNELS_DEVICE = "cpu" if CUDA_EMULATION else ("cuda" if torch.cuda.is_available() else None)
 
 def gradcheck(fn, inputs, **kwargs):
-    """torch.autograd.gradcheck; on the emulated CUDA kernels in fast mode (a few random directions
-    instead of one per input element: the same check of the kernels' gradients for a hundredth of
-    the launches, each of which costs the emulation a fiber per CUDA thread)."""
+    """torch.autograd.gradcheck; on the emulated CUDA kernels in fast mode: a randomized check of the
+    same Jacobian (one random projection per input and output, not a finite difference per input
+    element), for a hundredth of the launches, each of which costs the emulation a fiber per CUDA
+    thread."""
     return torch.autograd.gradcheck(fn, inputs, fast_mode=CUDA_EMULATION, **kwargs)
 
 
@@ -86,6 +87,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cuda_kernels: runs the CUDA kernels on CUDA_KERNELS_DEVICE; every attention_ext op call "
         "on that device is recorded and must have gone to the CUDA binding, and there must be at least one")
+    config.addinivalue_line(
+        "markers", "xdist_group(name): pytest-xdist's --dist loadgroup runs a group's tests on one worker "
+        "(set by pytest_collection_modifyitems for tests sharing a module-scoped fixture)")
 
 
 def pytest_sessionstart(session):
@@ -149,7 +153,15 @@ def pytest_runtest_call(item):
     return result
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
+    # Under pytest-xdist (--dist loadgroup, as the CI scripts run it) the tests that share a
+    # module-scoped fixture run on one worker, so the fixture (processes started for the fuzzing, the
+    # process groups, the dry runs) is set up once, not once per worker.
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        if fixtures and any(defs[-1].scope == "module" for defs in fixtures.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if not CUDA_EMULATION:
         return
     skip_cpu = pytest.mark.skip(reason="CPU-kernel machinery; this build runs the emulated CUDA kernels")
