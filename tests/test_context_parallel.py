@@ -563,10 +563,17 @@ def test_readme_torchrun_example_runs(tmp_path):
     if os.path.exists("/sys/class/net/lo"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # --standalone: a free local rendezvous port, so parallel test runs do not collide.
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", *command[1:]],
+    # --tee 3: each rank's output also goes to its own file. The two processes share the console
+    # pipe, and one rank's print can land in the middle of the other's line there.
+    logs = tmp_path / "logs"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--tee", "3", "--log-dir", str(logs), *command[1:]],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     # Everything both processes and the launcher said: a failure here has to explain itself.
     assert run.returncode == 0, (f"torchrun exited {run.returncode}\n--- stdout ---\n{run.stdout[-3000:]}\n"
                                  f"--- stderr ---\n{run.stderr[-12000:]}")
-    printed = sorted(line for line in run.stdout.splitlines() if "torch.Size" in line)
+    rank_outputs = sorted(logs.rglob("stdout.log"))
+    assert len(rank_outputs) == 2, (rank_outputs, run.stdout)
+    printed = sorted(line for path in rank_outputs for line in path.read_text().splitlines()
+                     if "torch.Size" in line)
     assert printed == ["0 torch.Size([1, 8, 4096, 64])", "1 torch.Size([1, 8, 4096, 64])"], run.stdout
