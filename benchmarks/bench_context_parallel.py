@@ -20,9 +20,10 @@ import argparse
 import datetime
 import os
 import queue
-import socket
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -53,9 +54,10 @@ def run_mode(fn, tensors, grad, mode):
     fn(*leaves).backward(grad)
 
 
-def _worker(rank, world, port, shape, tasks, results):
+def _worker(rank, world, rendezvous, shape, tasks, results):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    # through a file: a TCP port found free could be taken by another process before rank 0 binds it
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     length, heads, d, dtype = shape
     full = make_inputs(length, heads, d, dtype)
@@ -79,12 +81,11 @@ def _worker(rank, world, port, shape, tasks, results):
 class Ranks:
     def __init__(self, world, shape):
         ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        self.folder = tempfile.mkdtemp(prefix="attention_ext_ranks_")
+        rendezvous = os.path.join(self.folder, "rendezvous")
         self.world, self.results = world, ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, shape, self.tasks[r], self.results),
+        self.procs = [ctx.Process(target=_worker, args=(r, world, rendezvous, shape, self.tasks[r], self.results),
                                   daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
@@ -107,6 +108,7 @@ class Ranks:
             t.put(None)
         for p in self.procs:
             p.join(timeout=30)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def main(argv=None):

@@ -12,7 +12,8 @@ import datetime
 import multiprocessing
 import os
 import queue
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 
@@ -25,11 +26,13 @@ import attention_ext
 import attention_ext.distributed as cp
 from attention_ext.distributed._layout import chunks, plan_calls
 
+from conftest import SLOW_BUILD
+
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
 
 WORKER_IDLE_S = 300  # a worker nobody sends work to exits by itself
-CASE_TIMEOUT_S = 180
+CASE_TIMEOUT_S = 600 if SLOW_BUILD else 180  # a hang, not a slow build
 # Relative to the largest reference value; bf16 compares two bf16 computations (each block's partial
 # result is rounded to bf16 before the float32 merge).
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 5e-2}
@@ -37,18 +40,15 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 5e-2}
 
 # --- the worker group ------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, tasks, results):
+def _worker(rank, world, rendezvous, tasks, results):
     if os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    # The ranks meet through a file, not a TCP port: a port found free here could be taken by a
+    # parallel test before rank 0 binds it. (Under the sanitizer, with another pytest worker
+    # beside them, starting the ranks can take minutes: hence the long timeout.)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
     parent = multiprocessing.parent_process()
     idle = 0.0
     while idle < WORKER_IDLE_S and (parent is None or parent.is_alive()):
@@ -77,9 +77,10 @@ class RankGroup:
         self.world = world
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
-        port = _free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
-                      for r in range(world)]
+        self.folder = tempfile.mkdtemp(prefix="attention_ext_ranks_")
+        rendezvous = os.path.join(self.folder, "rendezvous")
+        self.procs = [ctx.Process(target=_worker, args=(r, world, rendezvous, self.tasks[r], self.results),
+                                  daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
 
@@ -119,6 +120,7 @@ class RankGroup:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"P{p}")
