@@ -1,21 +1,28 @@
 // Isolated micro-benchmark: how much of the streaming bandwidth one thread gets while reading K/V
-// in the decode kernel's order, with some work per row, under three prefetch schemes.
+// in the decode kernel's order, with some work per row, under three prefetch schemes; and whether
+// the memory time and the work time of a row overlap or add up.
 //
 //   g++ -O3 -march=native -o /tmp/decode_prefetch benchmarks/decode_prefetch.cpp && /tmp/decode_prefetch [tokens]
 //
+// The vectors are the machine's widest (GCC vector extensions: 64 bytes with AVX-512, else 32).
 // The cache is fp32 (tokens, heads, d) = (32768, 8, 64), K and V (64 MiB each, past the caches;
 // a smaller `tokens` only checks that it runs).
 // Order (forward_decode.inc with kBlockN = 64): for each tile of 64 tokens, for each head, the
-// head's 64 K rows (256 B each, 2 KiB apart), then its 64 V rows. Per row: `work` rounds of 12
-// independent FMAs on registers besides the 4 that consume the row (the decode kernel does a few
-// dozen vector operations per row). Schemes:
+// head's 64 K rows (256 B each, 2 KiB apart), then its 64 V rows. Per row: its vectors consumed
+// by 4 accumulators, then `work` rounds of kWorkChains independent FMAs on registers (12 with 32
+// vector registers, 8 with 16; the decode kernel does a few dozen vector operations per row).
+// Schemes:
 //   none:       hardware prefetchers only;
 //   next tile:  before a head's rows, all its rows of the next tile (a burst per tile);
 //   N ahead:    before each row, the row N further on in the same head's stream (PREFETCHT1/T2
 //               into L2, or PREFETCHT0), so requests are spread through the work.
 // One thread, best of 5 per cell; "stream" is a plain sequential read of both tensors.
-#include <immintrin.h>
-
+//
+// The second table puts the time of a row's memory beside the time of its work: per work level,
+// ns per row for the work alone (the same loop over a 64-token cache, 256 KiB, which stays in L2),
+// the memory alone (work 0, rows 32 ahead into L2, from DRAM) and both together (from DRAM);
+// overlap = (added − together) / (added − overlapped): 1 if the shorter part hides entirely under
+// the longer, 0 if the two add up.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -23,17 +30,23 @@
 
 namespace {
 
-constexpr long kHeads = 8, kDim = 64, kTile = 64;
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64, kWorkChains = 12;
+#else
+constexpr int kVecBytes = 32, kWorkChains = 8;
+#endif
+typedef float Vec __attribute__((vector_size(kVecBytes)));
+constexpr int kLanes = kVecBytes / 4;
+
+constexpr long kHeads = 8, kDim = 64, kTile = 64, kRowVecs = kDim / kLanes;
 long kTokens = 32768;
 float* key_cache;
 float* value_cache;
 volatile float sink;
 
-float total(__m512 x) {  // (not _mm512_reduce_add_ps: GCC 12's -Wall flags its header)
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, x);
+float total(Vec x) {
   float sum = 0;
-  for (float lane : lanes) sum += lane;
+  for (int i = 0; i < kLanes; ++i) sum += x[i];
   return sum;
 }
 
@@ -41,14 +54,16 @@ double seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
+
 void stream() {
-  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+  Vec a = {}, b = {};
   for (float* x : {key_cache, value_cache})
-    for (long i = 0; i < kTokens * kHeads * kDim; i += 32) {
-      a = _mm512_add_ps(a, _mm512_load_ps(x + i));
-      b = _mm512_add_ps(b, _mm512_load_ps(x + i + 16));
+    for (long i = 0; i < kTokens * kHeads * kDim; i += 2 * kLanes) {
+      a += load(x + i);
+      b += load(x + i + kLanes);
     }
-  sink = total(_mm512_add_ps(a, b));
+  sink = total(a + b);
 }
 
 enum Scheme { kNone, kNextTile, kAhead };
@@ -60,9 +75,11 @@ inline void fetch_row(const float* row) {
 
 template <Scheme kScheme, int kLocality>
 void decode_order(int work, long ahead) {
-  __m512 acc[16];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  const __m512 m = _mm512_set1_ps(0.999f);
+  constexpr int kChains = 4 + kWorkChains;
+  Vec acc[kChains];
+  for (auto& a : acc) a = Vec{};
+  Vec m;
+  for (int i = 0; i < kLanes; ++i) m[i] = 0.999f;
   for (long j0 = 0; j0 < kTokens; j0 += kTile)
     for (long h = 0; h < kHeads; ++h)
       for (float* x : {key_cache, value_cache}) {
@@ -72,35 +89,42 @@ void decode_order(int work, long ahead) {
         for (long r = 0; r < kTile; ++r) {
           if (kScheme == kAhead && j0 + r + ahead < kTokens) fetch_row<kLocality>(row_at(j0 + r + ahead));
           const float* row = row_at(j0 + r);
-          const __m512 x0 = _mm512_load_ps(row);
-          acc[0] = _mm512_fmadd_ps(acc[0], m, x0);
-          acc[1] = _mm512_fmadd_ps(acc[1], m, _mm512_load_ps(row + 16));
-          acc[2] = _mm512_fmadd_ps(acc[2], m, _mm512_load_ps(row + 32));
-          acc[3] = _mm512_fmadd_ps(acc[3], m, _mm512_load_ps(row + 48));
+          const Vec x0 = load(row);
+#pragma GCC unroll 16
+          for (int i = 0; i < kRowVecs; ++i) acc[i % 4] = acc[i % 4] * m + load(row + i * kLanes);
           for (int w = 0; w < work; ++w)
-            for (int i = 4; i < 16; ++i) acc[i] = _mm512_fmadd_ps(acc[i], m, x0);
+#pragma GCC unroll 16
+            for (int i = 4; i < kChains; ++i) acc[i] = acc[i] * m + x0;
         }
       }
-  __m512 s = acc[0];
-  for (int i = 1; i < 16; ++i) s = _mm512_add_ps(s, acc[i]);
+  Vec s = acc[0];
+  for (int i = 1; i < kChains; ++i) s += acc[i];
   sink = total(s);
 }
 
 template <typename F>
-double gbps(F&& f) {
+double best_seconds(F&& f) {
   double best = 1e30;
   for (int rep = 0; rep < 5; ++rep) {
     const double t = seconds();
     f();
     best = std::min(best, seconds() - t);
   }
-  return 2.0 * kTokens * kHeads * kDim * sizeof(float) / best / 1e9;
+  return best;
 }
 
-}  // namespace
+double rows_read() { return 2.0 * kTokens * kHeads; }
+template <typename F>
+double gbps(F&& f) {
+  return rows_read() * kDim * sizeof(float) / best_seconds(f) / 1e9;
+}
+template <typename F>
+double ns_per_row(F&& f) {
+  return best_seconds(f) / rows_read() * 1e9;
+}
 
-int main(int argc, char** argv) {
-  if (argc > 1) kTokens = std::max(2 * kTile, std::atol(argv[1]) / kTile * kTile);
+void allocate(long tokens) {
+  kTokens = tokens;
   const size_t bytes = kTokens * kHeads * kDim * sizeof(float);
   key_cache = static_cast<float*>(aligned_alloc(4096, bytes));
   value_cache = static_cast<float*>(aligned_alloc(4096, bytes));
@@ -108,15 +132,57 @@ int main(int argc, char** argv) {
     key_cache[i] = 1e-3f * static_cast<float>(i % 7);
     value_cache[i] = 1e-3f * static_cast<float>(i % 5);
   }
-  std::printf("one thread, GB/s of K and V read; stream (plain sequential read): %.1f\n", gbps(stream));
+}
+
+void release() {
+  free(key_cache);
+  free(value_cache);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const long tokens = argc > 1 ? std::max(2 * kTile, std::atol(argv[1]) / kTile * kTile) : kTokens;
+  const int works[] = {0, 2, 4, 6};
+  const auto fmas = [](int work) { return static_cast<int>(kRowVecs) + kWorkChains * work; };
+
+  // Work alone: a 64-token cache (256 KiB of K and V) read over and over, in L2.
+  double work_ns[4];
+  allocate(kTile);
+  for (int i = 0; i < 4; ++i)
+    work_ns[i] = ns_per_row([&] {
+      for (int rep = 0; rep < 64; ++rep) decode_order<kNone, 3>(works[i], 0);
+    }) / 64;
+  release();
+
+  allocate(tokens);
+  std::printf("one thread, GB/s of K and V read; stream (plain sequential read): %.1f; %d-byte vectors\n",
+              gbps(stream), kVecBytes);
   std::printf("%-6s %-6s %-10s %-10s %-12s %-12s %-12s %-12s\n", "work", "FMAs", "none", "next tile", "16 ahead L2",
               "32 ahead L2", "64 ahead L2", "32 ahead L1");
-  for (int work : {0, 2, 4, 6}) {
-    std::printf("%-6d %-6d %-10.1f %-10.1f %-12.1f %-12.1f %-12.1f %-12.1f\n", work, 4 + 12 * work,
+  for (int work : works)
+    std::printf("%-6d %-6d %-10.1f %-10.1f %-12.1f %-12.1f %-12.1f %-12.1f\n", work, fmas(work),
                 gbps([&] { decode_order<kNone, 3>(work, 0); }), gbps([&] { decode_order<kNextTile, 3>(work, 0); }),
                 gbps([&] { decode_order<kAhead, 1>(work, 16); }), gbps([&] { decode_order<kAhead, 1>(work, 32); }),
                 gbps([&] { decode_order<kAhead, 1>(work, 64); }), gbps([&] { decode_order<kAhead, 3>(work, 32); }));
+
+  // Memory and work of a row, apart and together (rows 32 ahead into L2). Work 0 is reading the
+  // row from L2 alone; the memory time already contains it, so it counts once in "added".
+  const double memory_ns = ns_per_row([&] { decode_order<kAhead, 1>(0, 32); });
+  std::printf("\nns per 256-byte row: work alone (K/V in L2), memory alone (work 0, from DRAM), together (from\n"
+              "DRAM); if they added up: memory + work - work at 0; if they overlapped: the larger\n");
+  std::printf("%-6s %-6s %-8s %-8s %-9s %-8s %-10s %-8s\n", "work", "FMAs", "work", "memory", "together", "added",
+              "overlapped", "overlap");
+  for (int i = 0; i < 4; ++i) {
+    const double together = ns_per_row([&] { decode_order<kAhead, 1>(works[i], 32); });
+    const double added = memory_ns + work_ns[i] - work_ns[0], overlapped = std::max(memory_ns, work_ns[i]);
+    std::printf("%-6d %-6d %-8.2f %-8.2f %-9.2f %-8.2f %-10.2f ", works[i], fmas(works[i]), work_ns[i], memory_ns,
+                together, added, overlapped);
+    // the share of the shorter part hidden: 1 when together = overlapped, 0 when together = added
+    if (added > overlapped)
+      std::printf("%.2f\n", (added - together) / (added - overlapped));
+    else
+      std::printf("-\n");
   }
-  free(key_cache);
-  free(value_cache);
+  release();
 }
