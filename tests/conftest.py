@@ -221,7 +221,9 @@ def _seed():
 
 
 SLOW = os.environ.get("ATTENTION_EXT_SLOW_TESTS", "0") == "1"
-# A build that runs several times slower than the plain one (the CUDA emulation, or ASan/UBSan:
-# .ci/sanitize.sh sets ATTENTION_EXT_SANITIZED), where CI also runs two pytest workers side by side:
-# the time limits that only catch hangs are raised there.
-SLOW_BUILD = CUDA_EMULATION or os.environ.get("ATTENTION_EXT_SANITIZED", "0") == "1"
+# The run under ASan/UBSan (.ci/sanitize.sh sets ATTENTION_EXT_SANITIZED).
+SANITIZED = os.environ.get("ATTENTION_EXT_SANITIZED", "0") == "1"
+# A build that runs several times slower than the plain one (the CUDA emulation, or the
+# sanitizers), where CI also runs two pytest workers side by side: the time limits that only
+# catch hangs are raised there.
+SLOW_BUILD = CUDA_EMULATION or SANITIZED

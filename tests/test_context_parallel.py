@@ -26,7 +26,7 @@ import attention_ext
 import attention_ext.distributed as cp
 from attention_ext.distributed._layout import chunks, plan_calls
 
-from conftest import SLOW_BUILD
+from conftest import SANITIZED, SLOW_BUILD
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -371,7 +371,7 @@ def test_run_twice_identical_bytes(group, layout, causal):
 
 @pytest.mark.slow_on_emulation
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
-@pytest.mark.skipif(os.environ.get("ATTENTION_EXT_SANITIZED") == "1",
+@pytest.mark.skipif(SANITIZED,
                     reason="under AddressSanitizer freed blocks sit in ASan's quarantine, so peak RSS counts "
                            "buffers the ring has already released; the regular run measures it")
 def test_memory_per_rank_is_far_below_an_all_gather_of_kv():

@@ -17,6 +17,8 @@ import torch
 import attention_ext
 from attention_ext.function import AttentionFunction
 
+from conftest import SANITIZED
+
 CALLS = 10_000
 WARMUP = 500
 SLACK_MIB = 20
@@ -24,7 +26,7 @@ SLACK_MIB = 20
 pytestmark = [
     pytest.mark.slow_on_emulation,
     pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc/self/statm"),
-    pytest.mark.skipif(os.environ.get("ATTENTION_EXT_SANITIZED") == "1",
+    pytest.mark.skipif(SANITIZED,
                        reason="under AddressSanitizer freed memory sits in ASan's quarantine, so RSS is not "
                               "flat by design (the sanitizer job runs with detect_leaks=0 and relies on this "
                               "test in the regular run)"),

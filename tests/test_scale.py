@@ -22,6 +22,8 @@ import torch
 
 import attention_ext
 
+from conftest import SANITIZED
+
 D = 64
 M = 2 ** 25 + 2 ** 20  # keys: M · D = 2.21e9 elements > 2^31
 BOUNDARY_ROW = 2 ** 31 // D  # first key row that starts at element offset >= 2^31
@@ -52,7 +54,7 @@ pytestmark = [
     pytest.mark.skipif(AVAILABLE_GIB is not None and AVAILABLE_GIB < NEEDED_GIB,
                        reason=f"{NEED}; only {AVAILABLE_GIB or 0:.1f} GiB available (MemAvailable "
                               f"in /proc/meminfo at collection)"),
-    pytest.mark.skipif(os.environ.get("ATTENTION_EXT_SANITIZED") == "1",
+    pytest.mark.skipif(SANITIZED,
                        reason="2^31-element tensors under AddressSanitizer take minutes"),
 ]
 
