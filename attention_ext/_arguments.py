@@ -18,12 +18,25 @@ from typing import Callable
 
 import torch
 
-from ._constants import CAUSAL_CODES, FLOAT_DTYPES, lse_dtype, max_scale, scale_overflows
+from ._constants import CAUSAL_CODES, FLOAT_DTYPES, LOG2E, lse_dtype, max_scale, scale_overflows
 
 PREFIX = "attention_ext: "
+_CAUSAL_CODE_VALUES = tuple(sorted(set(CAUSAL_CODES.values())))  # (a tuple: older dynamo traces `in` on it)
 
 
 Check = Callable[[object, type, Callable[[], str]], None]
+
+
+def flag(value, name: str, prefix: str = PREFIX) -> bool:
+    """A bool argument: Python's bool, or NumPy's (np.True_), returned as Python's; anything else
+    (1, "yes", a tensor) is a TypeError naming the type it got."""
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"):
+        return bool(value)
+    shown = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    raise TypeError(f"{prefix}{name} must be a bool, got {shown}")
 
 
 def tensor_rules(check: Check, t: torch.Tensor, name: str) -> None:
@@ -96,7 +109,7 @@ def mask_rules(check: Check, attn_mask: torch.Tensor, query: torch.Tensor) -> No
 def band_rules(check: Check, causal, window_left, window_right, n, m) -> None:
     """The causal code and the sliding window as the ops take them (-1: unbounded side). A window
     is aligned bottom-right; top-left causal agrees with that only when n == m."""
-    check(causal in CAUSAL_CODES.values(), ValueError,
+    check(causal in _CAUSAL_CODE_VALUES, ValueError,
           lambda: f"causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got {causal}")
     check(window_left >= -1 and window_right >= -1, ValueError,
           lambda: f"window bounds must be >= 0, or -1 for unbounded, got ({window_left}, {window_right})")
@@ -105,9 +118,15 @@ def band_rules(check: Check, causal, window_left, window_right, n, m) -> None:
           f"queries ({n}) and keys ({m}) differ in number; use bottom-right causal")
 
 
-def softcap_rules(check: Check, softcap: float) -> None:
+def softcap_rules(check: Check, softcap: float, dtype: torch.dtype) -> None:
+    """The kernels hold softcap·log2(e) and its reciprocal in the accumulation dtype: a softcap
+    that overflows there, or underflows below its normal range, would give NaN or silently none."""
     check(math.isfinite(softcap) and softcap >= 0.0, ValueError,
           lambda: f"softcap must be a finite number >= 0 (0: none), got {softcap}")
+    acc = torch.finfo(lse_dtype(dtype))
+    check(softcap == 0.0 or acc.tiny <= softcap * LOG2E <= acc.max, ValueError,
+          lambda: f"softcap must be within the {lse_dtype(dtype)} accumulation of {dtype} inputs "
+          f"({acc.tiny / LOG2E:.4g} <= softcap <= {acc.max / LOG2E:.4g}, or 0 for none), got {softcap}")
 
 
 def per_head_rules(check: Check, values: torch.Tensor, name: str, dtype: torch.dtype, query: torch.Tensor,
@@ -130,7 +149,7 @@ def op_rules(check: Check, query, key, value, attn_mask, scale, causal, window_l
     qkv_rules(check, query, key, value)
     scale_rules(check, scale, query.dtype)
     band_rules(check, causal, window_left, window_right, query.shape[-2], key.shape[-2])
-    softcap_rules(check, softcap)
+    softcap_rules(check, softcap, query.dtype)
     if alibi_slopes is not None or sinks is not None:
         shapes = (query.shape[:-2], key.shape[:-2]) + (() if value is None else (value.shape[:-2],))
         batch = torch.broadcast_shapes(*shapes)

@@ -11,8 +11,9 @@ any block_size >= 1. heads is a multiple of kv_heads (GQA/MQA, no copies). Per b
      place at positions cache_seqlens[b], cache_seqlens[b] + 1, ... (through block_table when paged),
      after rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2) rotated them at those positions —
      interleaved pairs (0, 1), (2, 3), ... or, with rotary_interleaved=False, the halves (GPT-NeoX);
-     q is rotated at the same positions when causal or windowed, else all its rows at cache_seqlens[b]
-     (FlashAttention's rule). Positions count from cache_leftpad[b];
+     q is rotated at the same positions when causal or windowed (a window side shorter than the
+     cache), else all its rows at cache_seqlens[b] (FlashAttention's rules). Positions are cache
+     indices: they count from the cache's first slot, not from cache_leftpad[b], as FlashAttention's;
   2. q attends to the keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new) of cache row
      cache_batch_idx[b] (default b), causal and window aligned bottom-right, softcap and ALiBi as in
      flash_attn_func.
@@ -46,7 +47,7 @@ def _kvcache_fwd_fake(query, k_cache, v_cache, cache_seqlens, cache_batch_idx, c
     check = _arguments.check_traced
     _arguments.qkv_rules(check, query, k_cache, v_cache)
     _arguments.scale_rules(check, scale, query.dtype)
-    _arguments.softcap_rules(check, softcap)
+    _arguments.softcap_rules(check, softcap, query.dtype)
     heads = torch.broadcast_shapes(query.shape[1:-2], k_cache.shape[1:-2], v_cache.shape[1:-2])
     batch, n, dv = query.shape[0], query.shape[-2], v_cache.shape[-1]
     nd = len(heads)
@@ -126,6 +127,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     paged = block_table is not None
     _check_tensors(q, k_cache, v_cache, k, v, paged)
     batch, seqlen_q, heads, _ = q.shape
+    if paged and (k_cache.shape[0] == 0 or k_cache.shape[1] == 0):
+        _fail(ValueError, f"a paged k_cache needs at least one block of at least one slot, got shape "
+                          f"{tuple(k_cache.shape)} (num_blocks, block_size, kv_heads, head_dim)")
     kv_heads, device = k_cache.shape[2], q.device
     from .flash import _band_from  # flash imports this module
 
@@ -136,8 +140,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     softcap = _check_softcap(softcap)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         _fail(TypeError, f"num_splits must be an int >= 0, got {num_splits!r}")
-    if not isinstance(rotary_interleaved, bool) or not isinstance(return_softmax_lse, bool):
-        _fail(TypeError, "rotary_interleaved and return_softmax_lse must be bools")
+    rotary_interleaved = _arguments.flag(rotary_interleaved, "rotary_interleaved", "attention_ext.flash_attn_with_kvcache: ")
+    return_softmax_lse = _arguments.flag(return_softmax_lse, "return_softmax_lse", "attention_ext.flash_attn_with_kvcache: ")
 
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
@@ -167,7 +171,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if not 0 <= leftpad[b] <= lengths[b] + new:
             _fail(ValueError, f"cache_leftpad[{b}] = {leftpad[b]} must be in [0, {lengths[b] + new}]")
         if not paged and not 0 <= rows[b] < k_cache.shape[0]:
+            if cache_batch_idx is None:
+                _fail(IndexError, f"q's batch of {batch} entries is larger than the cache's {k_cache.shape[0]} rows: "
+                                  "pass cache_batch_idx to say which cache row each entry uses")
             _fail(IndexError, f"cache_batch_idx[{b}] = {rows[b]} is outside the cache's {k_cache.shape[0]} rows")
+
+    groups = heads // kv_heads
+    slopes = alibi_slopes
+    if slopes is not None:
+        if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32 \
+                or tuple(slopes.shape) not in ((heads,), (batch, heads)):
+            got = f"{slopes.dtype} of shape {tuple(slopes.shape)}" if isinstance(slopes, torch.Tensor) \
+                else type(slopes).__name__
+            _fail(TypeError, f"alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads}), got {got}")
+        if slopes.device != device:
+            _fail(ValueError, f"alibi_slopes must be on q's device {device}, got {slopes.device}")
+        slopes = slopes.unflatten(-1, (kv_heads, groups))
 
     if rotary_cos is not None or rotary_sin is not None:
         if rotary_cos is None or rotary_sin is None or k is None:
@@ -175,9 +194,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or 2 * rotary_cos.shape[1] > q.shape[-1]:
             _fail(ValueError, f"rotary_cos / rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
                               f"head_dim ({q.shape[-1]}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-        start = torch.tensor([lengths[b] - leftpad[b] for b in range(batch)], device=device).unsqueeze(-1)
+        start = torch.tensor(lengths, device=device).unsqueeze(-1)  # cache indices, as FlashAttention's
         k_positions = start + torch.arange(new, device=device)
-        local = causal or (window_left, window_right) != (-1, -1)
+        # FlashAttention takes a window side as long as the cache for none (it hides no key), and
+        # rotates q row by row only for a causal or windowed call.
+        local = causal or any(0 <= side < capacity for side in (window_left, window_right))
         q_positions = start + (torch.arange(seqlen_q, device=device) if local
                                else torch.zeros(seqlen_q, dtype=torch.int64, device=device))
         last = max([int(k_positions.max()) if new else -1] + [int(q_positions.max()) if seqlen_q else -1])
@@ -185,6 +206,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             _fail(ValueError, f"position {last} is beyond the rotary tables' {rotary_cos.shape[0]} positions")
         k = _rotate(k, rotary_cos, rotary_sin, k_positions, rotary_interleaved)
         q = _rotate(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
+
+    if batch == 0:  # nothing to write or attend to
+        out = q.new_empty((0, seqlen_q, heads, v_cache.shape[-1]))
+        return (out, q.new_empty((0, heads, seqlen_q), dtype=lse_dtype(q.dtype))) if return_softmax_lse else out
 
     if k is not None and new > 0:
         positions = torch.tensor(lengths, device=device).unsqueeze(-1) + torch.arange(new, device=device)
@@ -200,13 +225,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k_cache.index_put_(index, k)
         v_cache.index_put_(index, v)
 
-    groups = heads // kv_heads
-    slopes = alibi_slopes
-    if slopes is not None:
-        if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32 \
-                or tuple(slopes.shape) not in ((heads,), (batch, heads)):
-            _fail(TypeError, f"alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads})")
-        slopes = slopes.unflatten(-1, (kv_heads, groups))
     # (batch, kv_heads, groups, seqlen_q, d) against K/V (batch, kv_heads, 1, seqlen, d): the CPU
     # decode kernel runs the groups sharing a KV head as the rows of one item, reading each K/V row
     # once for all of them. The CUDA kernels do not group heads; for them one query row per entry

@@ -87,7 +87,9 @@ def reference_call(q, cache_k, cache_v, k_new, v_new, lengths, rows, leftpad, ca
     q = q.double()
     outs, lses = [], []
     new = 0 if k_new is None else k_new.shape[1]
-    local = causal or tuple(window) != (-1, -1)
+    # FlashAttention rotates q row by row for a causal or windowed call, a window side as long as
+    # the cache counting as none
+    local = causal or any(0 <= side < cache_k.shape[1] for side in window)
     for b in range(q.shape[0]):
         row, start, pad = rows[b], lengths[b], leftpad[b]
         qb = q[b]
@@ -96,9 +98,11 @@ def reference_call(q, cache_k, cache_v, k_new, v_new, lengths, rows, leftpad, ca
             if rotary is not None:
                 cos, sin = rotary
                 # rotated values are stored in the inputs' dtype, as the call stores them
-                kb = rotate_reference(kb, cos, sin, torch.arange(new) + start - pad, interleaved)
+                # positions are cache indices (FlashAttention's test rotates at cache_seqlens,
+                # whatever the left padding)
+                kb = rotate_reference(kb, cos, sin, torch.arange(new) + start, interleaved)
                 kb = kb.to(k_new.dtype).double()
-                q_pos = torch.arange(q.shape[1]) + start - pad if local else torch.full((q.shape[1],), start - pad)
+                q_pos = torch.arange(q.shape[1]) + start if local else torch.full((q.shape[1],), start)
                 qb = rotate_reference(qb, cos, sin, q_pos, interleaved).to(dtype).double()
             cache_k[row, start:start + new] = kb
             cache_v[row, start:start + new] = v_new[b].double()
@@ -123,6 +127,7 @@ CASES = {
     "alibi_per_entry": dict(alibi="per_entry"),
     "rotary": dict(causal=True, rotary=True),
     "rotary_halves_noncausal": dict(rotary=True, interleaved=False),
+    "rotary_window_as_long_as_the_cache": dict(rotary=True, window=(64, 64)),  # (q rotated as without one)
 }
 
 
@@ -278,6 +283,8 @@ BAD = [
     (dict(dtype_mismatch=True), TypeError, "must have q's dtype"),
     (dict(window_size=(-3, 0)), ValueError, "window_size values"),
     (dict(bad_block=True), IndexError, "block outside the cache"),
+    (dict(alibi_slopes=torch.ones(3)), TypeError, r"alibi_slopes must be float32 of shape \(4,\)"),
+    (dict(five_entries=True), IndexError, "larger than the cache's 4 rows: pass cache_batch_idx"),
 ]
 
 
@@ -289,8 +296,11 @@ def test_bad_arguments_raise_before_anything_is_written(bad, error, message):
     q = torch.randn(3, 1, 4, 8)
     new = bad.get("new", 1)
     k_new, v_new = torch.randn(3, new, 2, 8), torch.randn(3, new, 2, 8)
-    kwargs = {key: bad[key] for key in ("cache_batch_idx", "cache_leftpad", "window_size") if key in bad}
-    kwargs["cache_seqlens"] = bad.get("cache_seqlens", torch.tensor([1, 2, 3], dtype=torch.int32))
+    if bad.get("five_entries"):  # more entries than cache rows, without cache_batch_idx
+        q, k_new, v_new = (torch.cat([t, t[:2]]) for t in (q, k_new, v_new))
+    kwargs = {key: bad[key] for key in ("cache_batch_idx", "cache_leftpad", "window_size", "alibi_slopes") if key in bad}
+    kwargs["cache_seqlens"] = bad.get("cache_seqlens", torch.tensor([1, 2, 3] + [4] * (q.shape[0] - 3),
+                                                                    dtype=torch.int32))
     if bad.get("k_only"):
         v_new = None
     if bad.get("rotary_without_new"):
