@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from ._arguments import band_rules, dropout_rules, enforce, mask_rules, per_head_rules, qkv_rules, scale_rules
+from ._arguments import (band_rules, dropout_rules, enforce, flag, mask_rules, per_head_rules, qkv_rules, scale_rules,
+                         softcap_rules)
 from ._constants import CAUSAL_CODES, FLOAT_DTYPES, lse_dtype, scale_overflows
 from ._ops import call_below_autograd, ops
 from .function import AttentionFunction, AttentionWeightsFunction, forward_ad_possible
@@ -26,6 +27,10 @@ def _check_tensor(t, name):
     """What the API asks of a tensor argument beyond the ops' rules (qkv_rules)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"attention_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested:
+        raise NotImplementedError(f"attention_ext: {name} is a nested tensor, which is not supported yet; for "
+                                  "batches of sequences of different lengths use attention_ext.varlen_attention "
+                                  "(cu_seqlens) or flash_attn_varlen_func")
     if t.device.type not in ("cpu", "cuda", "meta"):
         raise NotImplementedError(f"attention_ext: {name} is on {t.device}; only CPU and CUDA tensors are supported")
 
@@ -81,6 +86,9 @@ def _check_scale(scale, key):
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
             raise TypeError(f"attention_ext: scale must be a number, got a tensor of shape {tuple(scale.shape)}")
+        if scale.requires_grad and torch.is_grad_enabled():
+            raise TypeError("attention_ext: scale is a tensor that requires grad; gradients into scale are not "
+                            "supported (as in torch): pass a float, or scale.detach()")
         scale = scale.item()
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"attention_ext: scale must be a real number or None, got {type(scale).__name__}")
@@ -95,6 +103,8 @@ def _check_scale(scale, key):
 
 
 def _check_dropout(dropout_p):
+    if isinstance(dropout_p, torch.Tensor) and dropout_p.numel() == 1 and not dropout_p.requires_grad:
+        dropout_p = dropout_p.item()  # (as torch takes it)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"attention_ext: dropout_p must be a number, got {type(dropout_p).__name__}")
     try:
@@ -127,6 +137,8 @@ def _check_window(window):
             raise TypeError(f"attention_ext: window {side} bound must be an int or None, got {type(b).__name__}")
         if b < -1:
             raise ValueError(f"attention_ext: window {side} bound must be >= 0 (or None / -1 for unbounded), got {b}")
+        if b > 2 ** 62:  # (the ops take int64)
+            raise ValueError(f"attention_ext: window {side} bound {b} is beyond int64; use None for unbounded")
         bounds.append(int(b))
     return bounds[0], bounds[1]
 
@@ -164,6 +176,9 @@ def _check_per_head(values, name, query, batch, gqa_heads):
         values = values.to(dtype)
     if gqa_heads is not None and values.dim() >= 1:
         hk, groups = query.shape[-4], query.shape[-3]
+        if values.shape[-1] not in (gqa_heads, 1):  # (it would broadcast over the groups, not the heads)
+            raise ValueError(f"attention_ext: {name} must have one value per query head ({gqa_heads}) or a single "
+                             f"value in its last dim, got shape {tuple(values.shape)}")
         if values.shape[-1] == gqa_heads:
             values = values.unflatten(-1, (hk, groups))
         elif values.shape[-1] == 1:
@@ -224,6 +239,9 @@ def _check_mask(attn_mask, query, batch, n, m):
     return attn_mask
 
 
+_MAX_BATCH_DIMS = 8  # (the kernels' kMaxBatchDims)
+
+
 def _apply_gqa(query, key, value, attn_mask):
     """torch's enable_gqa without copying K/V: query heads (Hq) split into (Hkv, Hq/Hkv) and
     K/V gain a broadcast dim, so query head h reads key/value head h // (Hq/Hkv)."""
@@ -237,6 +255,10 @@ def _apply_gqa(query, key, value, attn_mask):
     if hk == 0 or hq % hk != 0:
         raise ValueError(f"attention_ext: enable_gqa=True needs the query heads ({hq}) to be a multiple of the "
                          f"key/value heads ({hk})")
+    if hq != hk and query.dim() - 1 > _MAX_BATCH_DIMS:
+        raise ValueError(f"attention_ext: enable_gqa=True splits the heads dim in two (K/V heads, group), so it "
+                         f"takes at most {_MAX_BATCH_DIMS - 1} leading dims, got {query.dim() - 2} (query "
+                         f"{tuple(query.shape)}); reshape the leading dims together")
     if hq == hk:
         return query, key, value, attn_mask, None
     groups = hq // hk
@@ -295,7 +317,7 @@ def _lean_forward(query, key, value, causal_code, scale, enable_gqa=False):
     of argument handling per call (~20 µs with GQA): the whole cost of a decode-sized call."""
     if type(query) is not _Tensor or type(key) is not _Tensor or type(value) is not _Tensor:
         return None
-    if forward_ad_possible() or _is_compiling():
+    if forward_ad_possible() or _is_compiling() or _autocast_dtype(query) is not None:
         return None
     dtype = query.dtype
     if dtype not in FLOAT_DTYPES or key.dtype is not dtype or value.dtype is not dtype:
@@ -313,7 +335,7 @@ def _lean_forward(query, key, value, causal_code, scale, enable_gqa=False):
         return None
     groups = 1
     if enable_gqa:  # as _apply_gqa: query heads split into (K/V heads, groups), K/V a broadcast dim
-        if rank < 3 or ks[-3] != vs[-3] or ks[-3] == 0 or qs[-3] % ks[-3] != 0:
+        if rank < 3 or ks[-3] != vs[-3] or ks[-3] == 0 or qs[-3] % ks[-3] != 0 or rank - 1 > _MAX_BATCH_DIMS:
             return None
         groups = qs[-3] // ks[-3]
     for i in range(rank - 2 - (groups > 1)):  # the same leading dims (element by element: slices cost more)
@@ -341,15 +363,37 @@ def draw_rng_state(device="cpu") -> torch.Tensor:
     return torch.randint(-(2 ** 63), 2 ** 63 - 1, (2,), dtype=torch.int64, device=device)
 
 
+def _autocast_dtype(query):
+    """The dtype torch.autocast asks for on the query's device, or None (off, or not a tensor)."""
+    if not isinstance(query, torch.Tensor):
+        return None
+    device_type = query.device.type
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _autocast(query, key, value, attn_mask):
+    """Under torch.autocast, as torch's SDPA (on autocast's lower-precision list): floating q, k, v
+    and a float mask in the autocast dtype (differentiably; gradients return in the inputs' dtypes)."""
+    dtype = _autocast_dtype(query)
+    if dtype is None:
+        return query, key, value, attn_mask
+
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    return cast(query), cast(key), cast(value), cast(attn_mask)
+
+
 def _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa):
     """The checks and normalisation attention and attention_weights share. Returns (query, key,
     value, attn_mask, scale, dropout_p, heads): with enable_gqa the query heads are split into
     (kv heads, groups) and heads is the count to merge back, else None."""
+    query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     _check_qkv(query, key, value)
     scale = _check_scale(scale, key)
     dropout_p = _check_dropout(dropout_p)
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"attention_ext: enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    enable_gqa = flag(enable_gqa, "enable_gqa")
     heads = None
     if enable_gqa:
         query, key, value, attn_mask, heads = _apply_gqa(query, key, value, attn_mask)
@@ -363,6 +407,7 @@ def _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value,
     sinks), checked against the prepared (GQA-split) query, key and value; the checks attention
     and attention_weights share after _prepare."""
     band_rules(enforce, CAUSAL_CODES[causal], *window, query.shape[-2], key.shape[-2])
+    softcap_rules(enforce, softcap, query.dtype)
     batch = _broadcast_batch(query, key, value)
     return (CAUSAL_CODES[causal], *window, softcap, _check_per_head(alibi_slopes, "alibi_slopes", query, batch, heads),
             _check_per_head(sinks, "sinks", query, batch, heads))
@@ -404,8 +449,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         _check_causal_bias_size(attn_mask, query, key)
         attn_mask = None
     elif is_causal:
-        if not isinstance(is_causal, bool):
-            raise TypeError(f"attention_ext: is_causal must be a bool, got {type(is_causal).__name__}")
+        is_causal = flag(is_causal, "is_causal")
         if attn_mask is not None:
             raise ValueError("attention_ext: attn_mask must be None when is_causal=True (as in torch)")
         causal = "top_left"

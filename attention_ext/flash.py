@@ -43,7 +43,7 @@ import numbers
 
 import torch
 
-from ._arguments import enforce, head_groups_rule
+from ._arguments import enforce, flag, head_groups_rule
 from .api import attention, attention_weights
 from .kv_cache import flash_attn_with_kvcache
 from .varlen import varlen_attention
@@ -71,8 +71,7 @@ def _check_layout(q, k, v):
 def _band_from(causal, window_size):
     """FlashAttention's causal / window_size pair as this package's (causal kind, window):
     causal=True is bottom-right causal (window (-1, 0)); -1 leaves a side unbounded."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"attention_ext.flash: causal must be a bool, got {type(causal).__name__}")
+    causal = flag(causal, "causal", "attention_ext.flash: ")
     try:
         left, right = (int(w) for w in window_size)
     except (TypeError, ValueError):
@@ -90,16 +89,28 @@ def _check_softcap(softcap):
     return float(softcap)
 
 
+def _check_alibi(alibi_slopes, batch, heads):
+    """FlashAttention's alibi_slopes: float32 (heads,) or (batch, heads), one slope per query head."""
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32 \
+            or tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        got = f"{alibi_slopes.dtype} of shape {tuple(alibi_slopes.shape)}" if isinstance(alibi_slopes, torch.Tensor) \
+            else type(alibi_slopes).__name__
+        raise TypeError(f"attention_ext.flash: alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads}) "
+                        f"(one slope per query head), got {got}")
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """FlashAttention 2's flash_attn_func (see the module docstring). Returns out
     (batch, seqlen_q, heads, head_dim_v), or with return_attn_probs=True (out, softmax_lse,
     probabilities)."""
     _check_layout(q, k, v)
+    _check_alibi(alibi_slopes, q.shape[0], q.shape[2])
     causal_kind, window = _band_from(causal, window_size)
     softcap = _check_softcap(softcap)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"attention_ext.flash: deterministic must be a bool, got {type(deterministic).__name__}")
+    deterministic = flag(deterministic, "deterministic", "attention_ext.flash: ")
     gqa = q.shape[2] != k.shape[2]
     # (batch, seqlen, heads, dim) -> (batch, heads, seqlen, dim): views; the kernels take strides.
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
@@ -159,8 +170,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                   "flash_attn_varlen_func yet; pass contiguous packed k and v")
     causal_kind, window = _band_from(causal, window_size)
     softcap = _check_softcap(softcap)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"attention_ext.flash: deterministic must be a bool, got {type(deterministic).__name__}")
+    deterministic = flag(deterministic, "deterministic", "attention_ext.flash: ")
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 scale=softmax_scale, causal=causal_kind is not None, window=window, softcap=softcap,
                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=True)

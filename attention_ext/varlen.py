@@ -190,8 +190,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     for cu, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"attention_ext: {name} must be a torch.Tensor, got {type(cu).__name__}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"attention_ext: causal must be a bool, got {type(causal).__name__}")
+    causal = _arguments.flag(causal, "causal")
     causal_code = 2 if causal else 0
     cu_rules(enforce, cu_seqlens_q, cu_seqlens_k, causal_code)
     max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")

@@ -102,6 +102,17 @@ AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, 
               ", ", logit.window_right, ")");
   TORCH_CHECK(std::isfinite(logit.softcap) && logit.softcap >= 0.0,
               "attention_ext: softcap must be a finite number >= 0 (0: none), got ", logit.softcap);
+  {
+    // The kernels hold softcap·log2(e) and its reciprocal in the accumulation dtype: beyond its
+    // range the cap would be inf (NaN scores), below its normal range 0 (silently none).
+    const bool is_double = q.scalar_type() == at::kDouble;
+    const double acc_max = is_double ? std::numeric_limits<double>::max() : std::numeric_limits<float>::max();
+    const double acc_tiny = is_double ? std::numeric_limits<double>::min() : std::numeric_limits<float>::min();
+    const double cap = logit.softcap * kLog2e;
+    TORCH_CHECK(logit.softcap == 0.0 || (cap >= acc_tiny && cap <= acc_max), "attention_ext: softcap ", logit.softcap,
+                " is outside the ", lse_dtype(q.scalar_type()), " accumulation of ", q.scalar_type(), " inputs (",
+                acc_tiny / kLog2e, " <= softcap <= ", acc_max / kLog2e, ", or 0 for none)");
+  }
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
               "attention_ext: dropout_p must be in [0, 1), got ", dropout_p);
   if (dropout_p > 0.0) {

@@ -181,7 +181,7 @@ def test_every_other_call_takes_the_full_path_and_its_checks(monkeypatch):
     with pytest.raises(ValueError, match="scale must be finite"):
         attention_ext.attention(q, k, v, scale=float("inf"))
     with pytest.raises(TypeError, match="dropout_p must be a number"):
-        attention_ext.scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(0.0))
+        attention_ext.scaled_dot_product_attention(q, k, v, dropout_p="0.0")
     with pytest.raises(ValueError, match="causal must be"):
         attention_ext.attention(q, k, v, causal="upper")
 

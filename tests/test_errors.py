@@ -109,3 +109,73 @@ def test_unknown_path_switch_value_is_an_error_not_the_default(monkeypatch, swit
     q = t(2, 5, 4).requires_grad_()
     with pytest.raises(RuntimeError, match=rf"{switch}={typo} is not a known value; expected one of: "):
         attention_ext.scaled_dot_product_attention(q, q, q).sum().backward()
+
+
+def test_a_scale_tensor_that_requires_grad_is_refused_not_dropped():
+    """torch takes scale as a float; a tensor the caller expects a gradient for must not lose it."""
+    with pytest.raises(TypeError, match=r"scale is a tensor that requires grad"):
+        sdpa(t(2, 3, 4), t(2, 3, 4), t(2, 3, 4), scale=torch.tensor(0.5, requires_grad=True))
+
+
+def test_a_one_element_dropout_tensor_is_taken_as_its_value():
+    q = t(2, 3, 4)
+    torch.manual_seed(0)
+    a = sdpa(q, q, q, dropout_p=torch.tensor(0.25))
+    torch.manual_seed(0)
+    assert torch.equal(a, sdpa(q, q, q, dropout_p=0.25))
+
+
+@pytest.mark.parametrize("dtype,softcap", [(torch.float32, 1e39), (torch.float32, 1e-46), (torch.float64, 1e-320)])
+def test_a_softcap_outside_the_accumulation_range_is_refused(dtype, softcap):
+    """softcap·log2(e) is held in the accumulation dtype: beyond it NaN, below its normal range 0."""
+    q = t(2, 3, 4).to(dtype)
+    with pytest.raises(ValueError, match=r"softcap must be within the"):
+        attention_ext.attention(q, q, q, softcap=softcap)
+    with pytest.raises(RuntimeError, match=r"softcap .* is outside the"):  # the op's own check
+        torch.ops.attention_ext.attention_fwd(q, q, q, None, 0.5, 0, -1, -1, softcap, None, None, 0.0, None)
+
+
+def test_numpy_bools_are_bools_and_other_types_are_named():
+    np = pytest.importorskip("numpy")
+    q = t(2, 3, 4)
+    assert torch.equal(sdpa(q, q, q, is_causal=np.True_), sdpa(q, q, q, is_causal=True))
+    with pytest.raises(TypeError, match=r"is_causal must be a bool, got numpy.int64"):
+        sdpa(q, q, q, is_causal=np.int64(1))
+
+
+def test_gqa_slopes_must_name_every_query_head():
+    """With 4 query heads on 2 K/V heads a (2,) vector would broadcast over the groups (slope of
+    head h = s[h % 2]), not the K/V heads: refused, as FlashAttention refuses it."""
+    q, kv = t(1, 4, 3, 8), t(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"one value per query head \(4\)"):
+        attention_ext.attention(q, kv, kv, enable_gqa=True, alibi_slopes=torch.ones(2))
+    with pytest.raises(TypeError, match=r"alibi_slopes must be float32 of shape \(4,\) or \(1, 4\)"):
+        attention_ext.flash_attn_func(q.transpose(1, 2), kv.transpose(1, 2), kv.transpose(1, 2),
+                                      alibi_slopes=torch.ones(2))
+
+
+def test_nested_tensors_are_refused_with_a_pointer_to_the_variable_length_api():
+    nested = torch.nested.nested_tensor([t(2, 3, 8), t(2, 5, 8)], layout=torch.jagged)
+    with pytest.raises(NotImplementedError, match=r"query is a nested tensor.*varlen_attention"):
+        sdpa(nested, nested, nested)
+
+
+def test_gqa_with_every_leading_dim_in_use_says_why_it_does_not_fit():
+    q, kv = t(*[1] * 7, 4, 3, 8), t(*[1] * 7, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"enable_gqa=True splits the heads dim in two .* at most 7 leading dims"):
+        sdpa(q, kv, kv, enable_gqa=True)
+
+
+def test_a_window_beyond_int64_is_a_value_error():
+    q = t(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"window left bound .* is beyond int64"):
+        attention_ext.attention(q, q, q, window=(2 ** 70, None))
+
+
+def test_kvcache_with_no_entries_returns_empty_results_and_a_paged_cache_needs_a_slot():
+    out, lse = attention_ext.flash_attn_with_kvcache(t(0, 1, 4, 8), t(2, 5, 2, 8), t(2, 5, 2, 8), cache_seqlens=2,
+                                                     return_softmax_lse=True)
+    assert out.shape == (0, 1, 4, 8) and lse.shape == (0, 4, 1) and lse.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"a paged k_cache needs at least one block of at least one slot"):
+        attention_ext.flash_attn_with_kvcache(t(3, 1, 4, 8), t(3, 0, 2, 8), t(3, 0, 2, 8), cache_seqlens=0,
+                                              block_table=torch.zeros(3, 1, dtype=torch.int32))

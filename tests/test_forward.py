@@ -199,3 +199,23 @@ def test_avx512bf16_variant_runs_its_own_bf16_forward():
     budget = (attention_reference(q, k, v, dtype=None)[0].double() - ref).abs().max().item()
     for variant in ("avx512bf16", "avx512"):
         assert_close_to_reference(results[variant], ref, torch.bfloat16, budget)
+
+
+def test_under_autocast_the_call_runs_in_the_autocast_dtype_as_torchs_does():
+    scaled_dot_product_attention = attention_ext.scaled_dot_product_attention
+    """torch's SDPA is on autocast's lower-precision list: q, k, v and a float mask are cast to the
+    autocast dtype (a bf16 query beside fp32 K/V included), gradients return in the inputs' dtypes."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 3, 8, generator=g, requires_grad=True)
+    k, v, mask = torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g), torch.randn(3, 5, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        mixed = scaled_dot_product_attention(q.bfloat16(), k, v, attn_mask=mask)
+        torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        lean = scaled_dot_product_attention(q, k, v)  # (the no-mask fast path too)
+    assert out.dtype == mixed.dtype == lean.dtype == torch_out.dtype == torch.bfloat16
+    want = scaled_dot_product_attention(*(t.detach().bfloat16() for t in (q, k, v, mask)))
+    assert torch.equal(out, want) and torch.equal(mixed, want)
+    assert torch.equal(lean, scaled_dot_product_attention(*(t.detach().bfloat16() for t in (q, k, v))))
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32
