@@ -38,7 +38,10 @@ class _PositionalApply:
 
     @classmethod
     def apply(cls, *args, **kwargs):
-        if kwargs or len(args) != cls._arity or torch._C._are_functorch_transforms_active():
+        # (torch.compile traces torch's own apply; older releases' dynamo cannot trace the
+        # functorch query, so it is asked only in eager mode.)
+        if kwargs or len(args) != cls._arity or torch.compiler.is_compiling() \
+                or torch._C._are_functorch_transforms_active():
             return super().apply(*args, **kwargs)
         args = _unwrap_dead_wrappers(args)
         return super(torch.autograd.Function, cls).apply(*args)
@@ -47,7 +50,11 @@ class _PositionalApply:
 def forward_ad_possible() -> bool:
     """Whether jvp may run for the call being recorded: a forward-mode AD level is open or a
     functorch transform (jvp among them) is active. jvp runs within the call, never later."""
-    return torch.autograd.forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+    if torch.autograd.forward_ad._current_level >= 0:
+        return True
+    # Under torch.compile the functorch state is the tracer's business (and older releases'
+    # dynamo cannot trace this query, e.g. torch 2.4's).
+    return not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active()
 
 
 def keep_scale(rng_state, batch_shape, n, m, dropout_p, dtype):
@@ -167,6 +174,19 @@ class AttentionFunction(_PositionalApply, torch.autograd.Function):
              alibi_slopes, sinks, dropout_p, rng_state):
         _no_vmap_over(in_dims[9], "alibi_slopes")
         _no_vmap_over(in_dims[10], "sinks")
+        if dropout_p > 0.0:
+            # The dropout pattern is keyed by the batch index, so folding the vmapped dim into the
+            # batch dims would give each element its own pattern. vmap's randomness decides: "same"
+            # (one drawn state) gives every element the pattern of the unbatched call, "different"
+            # (a state per element) each its own. One call per element.
+            dims = (*in_dims[:4], in_dims[12])
+            results = []
+            for i in range(info.batch_size):
+                q_i, k_i, v_i, mask_i, state_i = (t if d is None else t.select(d, i)
+                                                  for t, d in zip((query, key, value, attn_mask, rng_state), dims))
+                results.append(AttentionFunction.apply(q_i, k_i, v_i, mask_i, scale, causal, window_left, window_right,
+                                                       softcap, alibi_slopes, sinks, dropout_p, state_i))
+            return (torch.stack([r[0] for r in results]), torch.stack([r[1] for r in results])), (0, 0)
         _no_vmap_over(in_dims[12], "rng_state")
         # (Slopes broadcast against the batch dims from the right: the folded dim leaves them be.)
         query, key, value, attn_mask = fold_vmap_dim(info.batch_size, in_dims[:4],

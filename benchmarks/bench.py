@@ -48,6 +48,29 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEVICE = "cpu"  # the device being benchmarked (set by main)
 
 
+def _torch_sdpa_takes_enable_gqa():
+    try:
+        F.scaled_dot_product_attention(torch.zeros(1, 2, 1, 1), torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1),
+                                       enable_gqa=True)
+        return True
+    except TypeError:  # torch before 2.5
+        return False
+
+
+TORCH_SDPA_GQA = _torch_sdpa_takes_enable_gqa()
+
+
+def torch_sdpa_gqa(q, k, v, **kwargs):
+    """torch's SDPA with K/V heads shared by groups of query heads: enable_gqa where torch has it,
+    else K/V expanded to the query heads (repeat_interleave, inside the timed call: what a step
+    costs on that torch)."""
+    if TORCH_SDPA_GQA:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+    groups = q.shape[-3] // k.shape[-3]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3),
+                                          **kwargs)
+
+
 def _sync():
     """Waits for queued GPU work, so wall-clock times cover it (a no-op on the CPU)."""
     if DEVICE == "cuda":

@@ -125,8 +125,8 @@ def main(argv=None):
         return lambda: torch.autograd.grad(result, leaves, grad_out, retain_graph=True)
 
     direct = "direct entry" if _ops._DIRECT_ENTRIES else "torch.ops (JIT build: no direct entry)"
-    torch_sdpa = {"torch SDPA (enable_gqa)": lambda: torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, enable_gqa=True)} if gqa else {}
+    label = "torch SDPA (enable_gqa)" if bench.TORCH_SDPA_GQA else "torch SDPA (K/V repeat_interleave'd: no enable_gqa)"
+    torch_sdpa = {label: lambda: bench.torch_sdpa_gqa(q, k, v)} if gqa else {}
     groups = {
         "forward, no autograd": {
             "ours": lambda: ours(q, k, v),

@@ -22,7 +22,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402  (its machine measurements and naming)
@@ -63,11 +62,9 @@ def run_config(dtype, tokens, batch, kv_heads, rows, reps, warmup):
     for name, (kc, vc, bt) in caches.items():
         steps["ours " + name] = (lambda kc=kc, vc=vc, bt=bt: flash_attn_with_kvcache(
             q, kc, vc, cache_seqlens=lengths, block_table=bt, causal=True))
-    steps["torch sliced"] = lambda: F.scaled_dot_product_attention(
-        qt, k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
-    steps["torch gathered"] = lambda: F.scaled_dot_product_attention(
-        qt, kp[table.long()].flatten(1, 2).transpose(1, 2), vp[table.long()].flatten(1, 2).transpose(1, 2),
-        enable_gqa=True)
+    steps["torch sliced"] = lambda: bench.torch_sdpa_gqa(qt, k.transpose(1, 2), v.transpose(1, 2))
+    steps["torch gathered"] = lambda: bench.torch_sdpa_gqa(
+        qt, kp[table.long()].flatten(1, 2).transpose(1, 2), vp[table.long()].flatten(1, 2).transpose(1, 2))
 
     def no_grad(fn):
         def step():

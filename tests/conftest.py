@@ -41,6 +41,19 @@ EMULATION_REQUESTED = os.environ.get("ATTENTION_EXT_CUDA_EMULATION", "0").lower(
 # binding is registered for CPU tensors), else a CUDA device if there is one, else None.
 CUDA_KERNELS_DEVICE = "cpu" if CUDA_EMULATION else ("cuda" if torch.cuda.is_available() else None)
 
+def torch_sdpa_gqa(q, k, v, **kwargs):
+    """torch's own SDPA with K/V heads shared by groups of query heads: enable_gqa where torch has
+    it (2.5 on), else K/V repeated to the query heads (the same function, gradients summed back)."""
+    try:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+    except TypeError as e:
+        if "enable_gqa" not in str(e):
+            raise
+    groups = q.shape[-3] // k.shape[-3]
+    return torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(groups, -3),
+                                                            v.repeat_interleave(groups, -3), **kwargs)
+
+
 def gradcheck(fn, inputs, **kwargs):
     """torch.autograd.gradcheck; on the emulated CUDA kernels in fast mode: a randomized check of the
     same Jacobian (one random projection per input and output, not a finite difference per input

@@ -65,6 +65,9 @@ MATERIAL_LIMIT = 5_000_000
 def describe(x):
     if isinstance(x, torch.Tensor):
         kind = type(x).__name__
+        if kind == "CausalBias":  # (first: older torch's CausalBias refuses even .device)
+            return (f"CausalBias({getattr(x, 'variant', '?')}, {getattr(x, 'seq_len_q', '?')}, "
+                    f"{getattr(x, 'seq_len_kv', '?')})")
         try:
             layout = "" if x.layout == torch.strided else f", layout={x.layout}"
             stride = f", stride={tuple(x.stride())}" if x.layout == torch.strided else ""
@@ -77,9 +80,6 @@ def describe(x):
             extra = f", range=[{v.min().item():.3g}, {v.max().item():.3g}]"
         if x.requires_grad:
             extra += ", requires_grad"
-        if kind == "CausalBias":
-            return (f"CausalBias({getattr(x, 'variant', '?')}, {getattr(x, 'seq_len_q', '?')}, "
-                    f"{getattr(x, 'seq_len_kv', '?')})")
         return (f"{kind}(shape={tuple(x.shape)}{stride}, {x.dtype}, {x.device}{layout}{extra})")
     if isinstance(x, (list, tuple)) and len(x) > 8:
         return f"{type(x).__name__}(len={len(x)})"

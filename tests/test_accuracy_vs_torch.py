@@ -60,7 +60,8 @@ def _opinfo_samples(dtype):
         if kwargs.get("dropout_p", 0.0) > 0.0:
             continue
         samples.append((s.input, s.args[0], s.args[1], kwargs))
-    assert len(samples) >= 12, "the OpInfo's samples changed shape: revisit this test"
+    # (torch 2.4's OpInfo yields 7 samples without dropout, 2.13's at least 12)
+    assert len(samples) >= 6, "the OpInfo's samples changed shape: revisit this test"
     return samples
 
 

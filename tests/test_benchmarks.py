@@ -165,8 +165,10 @@ def test_call_overhead_benchmark_times_a_gqa_call_beside_torch_s(tmp_path):
     result = json.loads((tmp_path / "gqa.json").read_text())
     assert result["kv_heads"] == 2
     forward = result["results"]["forward, no autograd"]
-    assert set(forward) == {"ours", "the op alone (direct entry)", "torch SDPA (enable_gqa)"} or \
-        set(forward) == {"ours", "the op alone (torch.ops (JIT build: no direct entry))", "torch SDPA (enable_gqa)"}
+    torch_row = [name for name in forward if name.startswith("torch SDPA (")]
+    assert len(torch_row) == 1 and ("enable_gqa" in torch_row[0])
+    assert set(forward) - set(torch_row) in ({"ours", "the op alone (direct entry)"},
+                                             {"ours", "the op alone (torch.ops (JIT build: no direct entry))"})
     assert all(row[0] > 0 for rows in result["results"].values() for row in rows.values())
     assert "--kv-heads 2" in (tmp_path / "gqa.md").read_text()
 

@@ -208,7 +208,10 @@ def test_causal_bias_given_to_the_extended_api_raises_type_error(fn):
 
 
 def test_causal_bias_made_by_a_tensor_operation_raises_type_error():
-    broken = causal_lower_right(3, 5).clone()  # torch returns the subclass without its fields
+    try:
+        broken = causal_lower_right(3, 5).clone()  # torch returns the subclass without its fields
+    except NotImplementedError:
+        pytest.skip("this torch's CausalBias refuses tensor operations (torch 2.4): no such object arises")
     with pytest.raises(TypeError, match=r"CausalBias without its variant"):
         attention_ext.scaled_dot_product_attention(t(3, 4), t(5, 4), t(5, 2), attn_mask=broken)
 

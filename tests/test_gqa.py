@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from attention_ext import attention, attention_reference, attention_weights, scaled_dot_product_attention
 
-from conftest import ATOL, rand
+from conftest import ATOL, rand, torch_sdpa_gqa
 
 B, HQ, HKV, N, M, D, DV = 2, 6, 2, 5, 7, 4, 3
 GRAD_ATOL = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -66,7 +66,7 @@ def test_gqa_matches_torch_sdpa_and_reference_forward_and_grads(kind, shape, dty
     # torch's own GQA.
     t_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
     t_mask = t_leaves[3] if kind == "float" else mask
-    t_out = F.scaled_dot_product_attention(*t_leaves[:3], attn_mask=t_mask, enable_gqa=True)
+    t_out = torch_sdpa_gqa(*t_leaves[:3], attn_mask=t_mask)
     t_grads = torch.autograd.grad(t_out, t_leaves, grad_out)
     tol = ATOL[dtype] if dtype == torch.float32 else 1e-12
     assert_close(out, t_out, tol, "output vs torch")

@@ -378,27 +378,29 @@ def test_vmap_with_dropout_and_default_randomness_raises_like_torch():
         vmap(_sdpa_dropout)(*_dropout_vmap_inputs())
 
 
-def test_vmap_with_dropout_and_randomness_same_equals_the_call_on_the_stacked_batch():
-    """The vmapped dim is folded into the batch dims with one drawn state: the same output as the
-    unbatched call on the stacked inputs, replayable under manual_seed."""
+def test_vmap_with_dropout_and_randomness_same_gives_every_element_the_unbatched_calls_pattern():
+    """randomness="same": one drawn state, so each element is the unbatched call on it under the
+    same seed (one dropout pattern for all; as torch's), replayable under manual_seed."""
     q, k, v = _dropout_vmap_inputs()
     torch.manual_seed(1)
     batched = vmap(_sdpa_dropout, randomness="same")(q, k, v)
-    torch.manual_seed(1)
-    stacked = _sdpa_dropout(q, k, v)
-    assert torch.equal(batched, stacked)
+    for i in range(VB):
+        torch.manual_seed(1)
+        assert torch.equal(batched[i], _sdpa_dropout(q[i], k[i], v[i])), i
+    same = vmap(_sdpa_dropout, randomness="same")(*(t[:1].expand(VB, *t.shape[1:]) for t in (q, k, v)))
+    assert all(torch.equal(same[i], same[0]) for i in range(VB))
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                   reason="vmap(randomness='different') batches the drawn rng_state and AttentionFunction.vmap "
-                          "raises 'vmap over rng_state is not supported'")
-def test_vmap_with_dropout_and_randomness_different_runs_and_replays():
-    q, k, v = _dropout_vmap_inputs()
+def test_vmap_with_dropout_and_randomness_different_gives_each_element_its_own_pattern_and_replays():
+    q, k, v = (t[:1].expand(VB, *t.shape[1:]) for t in _dropout_vmap_inputs())  # equal inputs
     torch.manual_seed(1)
     a = vmap(_sdpa_dropout, randomness="different")(q, k, v)
     torch.manual_seed(1)
     b = vmap(_sdpa_dropout, randomness="different")(q, k, v)
     assert torch.equal(a, b)
+    assert not all(torch.equal(a[i], a[0]) for i in range(1, VB))
+    grads = torch.func.grad(lambda q: vmap(_sdpa_dropout, randomness="different")(q, k, v).sum())(q.contiguous())
+    assert grads.shape == q.shape and torch.isfinite(grads).all()
 
 
 # ----------------------------------------------------------------------------------------------
