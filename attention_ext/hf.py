@@ -29,6 +29,11 @@ for, a bidirectional sliding window (ModernBERT's local layers), chunked attenti
 static cache's traced positions, and any mask transformers builds from extra mask functions
 (image tokens, prefix-LM): the mask function skips a mask only where transformers allows it to.
 
+Under torch.compile (tracing) the data-dependent shortcuts step aside: transformers' own mask
+is used where a CausalKeyMask would be, and position_ids are turned into a segment mask without
+checking whether they restart. Arguments that change what is attended to and that the kernels do
+not take (_UNSUPPORTED_KWARGS) raise NotImplementedError.
+
 transformers is an optional dependency (`pip install attention_ext[hf]`), imported only here.
 """
 from __future__ import annotations
@@ -37,7 +42,7 @@ import functools
 
 import torch
 
-from .api import attention, attention_weights
+from .api import attention, attention_weights, draw_rng_state, dropout_mask
 from .varlen import varlen_attention
 
 __all__ = ["register", "attention_forward", "mask_function", "CausalKeyMask", "calls"]
@@ -67,7 +72,19 @@ class CausalKeyMask(torch.Tensor):
     cache's slots past it are not), True for a real token. attention_forward applies the layer's
     causal rule and window to those keys, bottom-right aligned. A tensor subclass, so that what
     transformers and accelerate do to masks on the way (.contiguous(), .to(device)) keeps it one;
-    a narrower mask than the keys is no mask transformers or eager attention would accept."""
+    a narrower mask than the keys is no mask transformers or eager attention would accept.
+
+    A sliding-window layer's mask says its window in its class (`window`: transformers' local_size,
+    for the layers that do not pass sliding_window themselves, as PhiMoE's), and `all_real` marks
+    one made only to carry it (no key is padding)."""
+    window = None
+    all_real = False
+
+
+@functools.lru_cache(maxsize=None)
+def _windowed_key_mask(window: int, all_real: bool) -> type:
+    return type(f"CausalKeyMask_window{window}{'_all_real' if all_real else ''}", (CausalKeyMask,),
+                {"window": window, "all_real": all_real, "__module__": __name__})
 
 
 def mask_function(*args, **kwargs):
@@ -95,13 +112,17 @@ def mask_function(*args, **kwargs):
     causal = (call.setdefault("allow_is_causal_skip", True)
               and getattr(call.get("config"), "attention_chunk_size", None) is None)
     visible = _keys_up_to_the_newest_query(call.get("q_offset", 0), n, kv_offset, m) if causal else None
+    local = call.get("local_size")
     if causal and visible is not None:
         padding = _key_padding(call.get("attention_mask"), kv_offset, m, visible)
-        if padding is None and visible == m:
+        if padding is None and visible == m and local is None:
             return None
+        if _tracing():  # (dynamo does not trace as_subclass): transformers' own mask, the structure in it
+            return sdpa_mask(**call)
         keys = (padding[:, :visible].contiguous() if padding is not None
                 else torch.ones(call["batch_size"], visible, dtype=torch.bool, device=call.get("device", "cpu")))
-        return keys[:, None, None, :].as_subclass(CausalKeyMask)
+        kind = CausalKeyMask if local is None else _windowed_key_mask(int(local), padding is None)
+        return keys[:, None, None, :].as_subclass(kind)
     # Anything else keeps transformers' own mask, with its skips only where None means the same
     # to the kernels (bottom-right alignment) as to torch's SDPA.
     call["allow_is_causal_skip"] = False
@@ -114,15 +135,16 @@ def mask_function(*args, **kwargs):
     return sdpa_mask(**call)
 
 
+_SDPA_MASK_PARAMETERS = {}  # (a plain dict, which torch.compile reads as constants; not an lru_cache)
+
+
 def _sdpa_mask_parameters():
     from transformers.masking_utils import sdpa_mask
-    return _parameter_names(sdpa_mask)
-
-
-@functools.lru_cache(maxsize=None)
-def _parameter_names(fn):
-    import inspect
-    return tuple(inspect.signature(fn).parameters)
+    names = _SDPA_MASK_PARAMETERS.get(sdpa_mask)
+    if names is None:
+        import inspect
+        names = _SDPA_MASK_PARAMETERS[sdpa_mask] = tuple(inspect.signature(sdpa_mask).parameters)
+    return names
 
 
 def _tracing():
@@ -169,18 +191,30 @@ def _packed_segments(position_ids, cu_seq_lens, batch, n):
         if batch != 1:
             raise NotImplementedError("attention_ext.hf: cu_seq_lens with a batch of more than one row")
         bounds = cu_seq_lens.to(torch.int64)
+        if bounds.dim() != 1 or bounds.numel() < 2 or int(bounds[0]) != 0 or bool((bounds.diff() < 0).any()):
+            raise ValueError(f"attention_ext.hf: cu_seq_lens must be non-decreasing sequence bounds from 0, got "
+                             f"{bounds.tolist()}")
         if int(bounds[-1]) != n:
             raise ValueError(f"attention_ext.hf: cu_seq_lens ends at {int(bounds[-1])} but the batch has {n} tokens")
-        if bounds.numel() <= 2:
+        inner = bounds[1:-1]
+        inner = inner[inner < n]  # (empty sequences at the end repeat the last bound)
+        if inner.numel() == 0:
             return None
         starts = torch.zeros(n, dtype=torch.int64, device=bounds.device)
-        starts[bounds[1:-1]] = 1
+        starts[inner] = 1  # (an empty sequence inside repeats a bound: the same start)
         return starts.cumsum(0).unsqueeze(0)
+    segments = _traced_segments(position_ids, batch, n)
+    if segments is None or not bool(segments[:, -1].any()):  # (no row restarts its positions)
+        return None
+    return segments
+
+
+def _traced_segments(position_ids, batch, n):
+    """_packed_segments' position_ids rule while tracing: the segment ids always, as transformers'
+    mask code computes them when compiled (whether the rows are packed depends on the data)."""
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != n or n < 2:
         return None
     restarts = torch.diff(position_ids, dim=-1) != 1
-    if not bool(restarts.any()):
-        return None
     first = torch.zeros_like(position_ids[:, :1], dtype=torch.int64)
     return torch.cat([first, restarts.to(torch.int64).cumsum(-1)], dim=-1).expand(batch, n)
 
@@ -199,6 +233,16 @@ def _packed_attention(query, key, value, segments, dropout, scaling, causal, win
     return out.view(batch, n, *out.shape[1:])
 
 
+# Arguments some models pass that change what is attended to and that the kernels do not take:
+# refused, never dropped.
+_UNSUPPORTED_KWARGS = {
+    "position_bias": "T5-style relative biases",
+    "indices": "a sparse top-k selection of keys per query (DeepSeek-V3.2's indexer)",
+    "block_indices": "a block-sparse selection of keys",
+    "sinks": "attention sinks computed per token",
+}
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                       **kwargs):
     """transformers' attention-function signature: query (batch, heads, n, d), key/value
@@ -206,36 +250,55 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     (batch, n, heads, d_v) and the attention weights when output_attentions is set (else None)."""
     global calls
     calls += 1
-    if kwargs.get("position_bias") is not None:
-        raise NotImplementedError("attention_ext.hf: position_bias (T5-style relative biases) is not supported yet")
+    for name, what in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"attention_ext.hf: {name} ({what}) is not supported yet; use "
+                                      "attn_implementation='eager' for this model")
     batch, heads, n = query.shape[0], query.shape[1], query.shape[2]
     m = all_keys = key.shape[2]
     causal_layer = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     mask = attention_mask
-    structure_only = mask is None  # transformers gave no mask: the layer's own rule is the whole structure
     # mask_function's key mask for a causal layer: the layer's rule applies on top of it, to the
-    # keys up to the newest query.
+    # keys up to the newest query. One made only to say the window, over all the keys, is none.
     key_padding = isinstance(mask, CausalKeyMask)
+    mask_window = None
     if key_padding:
-        mask = mask.as_subclass(torch.Tensor)
-        m = mask.shape[-1]
-        key, value = key[:, :, :m], value[:, :, :m]
+        mask_window = type(mask).window
+        if type(mask).all_real and mask.shape[-1] == m:
+            mask, key_padding = None, False
+        else:
+            m = mask.shape[-1]
+            mask = None if type(mask).all_real else mask.as_subclass(torch.Tensor)
+            key, value = key[:, :, :m], value[:, :, :m]
     elif mask is not None and mask.dtype != torch.bool:
         mask = mask.to(query.dtype)
+    structure_only = mask is None and not key_padding  # the layer's own rule is the whole structure
     structure = structure_only or key_padding
     # Packed rows: only without cached keys (m == n), and not beside padding, which explains the
     # restarts in position_ids (generate() gives padding position 1: [1, 1, 0, 1, 2, ...]), as in
     # transformers' own packing detection. A full mask transformers gives also hides the padding
     # keys, so the segment mask below changes nothing there.
     segments = None
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and (cu_q is None or not torch.equal(cu_k.to(cu_q.device, torch.int64), cu_q.to(torch.int64))):
+        raise NotImplementedError("attention_ext.hf: cu_seq_lens_k differing from cu_seq_lens_q (packed keys other "
+                                  "than the packed queries) is not supported yet")
     if m == n and not key_padding:
-        segments = _packed_segments(kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), batch, n)
+        if not _tracing():
+            segments = _packed_segments(kwargs.get("position_ids"), cu_q, batch, n)
+        elif mask is None:  # (compiled: no data-dependent check; transformers' own mask holds any packing it saw)
+            segments = _traced_segments(kwargs.get("position_ids"), batch, n)
+    elif cu_q is not None and cu_q.numel() > 2:
+        raise NotImplementedError("attention_ext.hf: packed sequences (cu_seq_lens_q) with cached keys or padding are "
+                                  "not supported yet")
     sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if mask_window is not None:  # transformers' mask code says the layer's window
+        sliding = mask_window
     # transformers' sliding window: attend iff 0 <= q_pos - k_pos < sliding_window.
     window = (int(sliding) - 1, None) if sliding is not None and causal_layer else None
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
-    if segments is not None and structure_only and not kwargs.get("output_attentions", False):
+    if segments is not None and structure_only and not kwargs.get("output_attentions", False) and not _tracing():
         return _packed_attention(query, key, value, segments.to(query.device), dropout, scaling, bool(causal_layer),
                                  window and (window[0], -1), softcap, sinks), None
     if segments is not None:
@@ -254,10 +317,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         window = None  # transformers' mask holds the window already
     options = dict(attn_mask=mask, causal=causal, window=window, softcap=softcap or None, scale=scaling,
                    enable_gqa=heads != key.shape[1])
+    want_weights = kwargs.get("output_attentions", False)
+    dropped = None
+    if want_weights and dropout > 0.0:  # the state the call draws, to return the weights it applied (as eager)
+        with torch.random.fork_rng(devices=[query.device] if query.device.type == "cuda" else []):
+            dropped = draw_rng_state(query.device)
     out = attention(query, key, value, sinks=sinks, dropout_p=dropout, **options)
     weights = None
-    if kwargs.get("output_attentions", False):
+    if want_weights:
         weights = attention_weights(query, key, sinks=sinks, **options)
+        if dropped is not None:
+            weights = weights * dropout_mask(dropped, weights.shape, dropout) / (1.0 - dropout)
         if m < all_keys:  # a static cache's slots past the newest token: weight 0, as eager gives them
             weights = torch.nn.functional.pad(weights, (0, all_keys - m))
     return out.transpose(1, 2).contiguous(), weights

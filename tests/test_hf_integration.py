@@ -235,6 +235,95 @@ def test_packed_sequences_equal_the_sequences_run_one_by_one(family, how, no_sdp
             assert_same(got_grads[name], p.grad, f"gradient of {name}", tol=1e-4)
 
 
+def test_packed_bounds_ending_in_empty_sequences_equal_the_bounds_without_them(no_sdpa):
+    """Batches padded to a fixed number of sequences repeat the last bound (empty sequences)."""
+    model = build("llama")
+    model.set_attn_implementation(NAME)
+    ids = torch.randint(0, VOCAB, (1, 17), generator=torch.Generator().manual_seed(5))
+    position_ids = torch.cat([torch.arange(n) for n in (5, 9, 3)]).unsqueeze(0)
+    logits = []
+    for bounds in ([0, 5, 14, 17], [0, 5, 14, 17, 17, 17]):
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        logits.append(model(input_ids=ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                            max_length_q=9, max_length_k=9).logits)
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_arguments_the_kernels_do_not_take_are_refused_not_dropped():
+    """Sparse key selections (DeepSeek-V3.2's indices, block_indices), per-token sinks, relative
+    position biases, packed keys other than the packed queries, packing beside cached keys."""
+    module = torch.nn.Module()
+    q, kv = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
+    for name in ("indices", "block_indices", "sinks", "position_bias"):
+        with pytest.raises(NotImplementedError, match=name):
+            hf.attention_forward(module, q, kv, kv, None, **{name: torch.zeros(1, 4, 6, 1)})
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="cu_seq_lens_k differing"):
+        hf.attention_forward(module, q, kv, kv, None, cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, 6]))
+    with pytest.raises(NotImplementedError, match="with cached keys"):
+        hf.attention_forward(module, q[:, :, :2], kv, kv, None, cu_seq_lens_q=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        hf.attention_forward(module, q, kv, kv, None, cu_seq_lens_q=torch.tensor([0, 4, 2, 6]))
+
+
+def test_a_window_only_transformers_mask_code_knows_is_applied(no_sdpa):
+    """PhiMoE's layers pass no sliding_window and have no such attribute: the window reaches the
+    kernels through the mask function (transformers' local_size), padded or not."""
+    torch.manual_seed(0)
+    config = transformers.PhimoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+                                       num_experts_per_tok=1, sliding_window=4)
+    model = transformers.PhimoeForCausalLM(config).float().eval()
+    assert not hasattr(model.model.layers[0].self_attn, "sliding_window")
+    ids, mask = prompt_of(11, 3)
+    for inputs in (dict(input_ids=ids), dict(input_ids=ids, attention_mask=mask)):
+        got = forward_backward(model, NAME, **inputs)
+        want = forward_backward(model, "eager", **inputs)
+        real = inputs.get("attention_mask", torch.ones_like(ids)).bool()
+        assert_same(got[0][real], want[0][real], "logits")
+        assert got[2] > 0
+    got, want = generate_with(model, NAME, ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("how", ["padding", "no_mask", "packed"])
+def test_a_compiled_fullgraph_forward_equals_eager(family, how, no_sdpa):
+    """torch.compile(model.forward, fullgraph=True), as transformers documents it: the mask code's
+    data-dependent shortcuts step aside while tracing (transformers' own mask is used instead)."""
+    model = build(family)
+    ids, mask = prompt_of(9, 3)
+    inputs = dict(input_ids=ids)
+    if how == "padding":
+        inputs["attention_mask"] = mask
+    if how == "packed":
+        inputs.update(position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]]).expand(2, -1), use_cache=False)
+    model.set_attn_implementation("eager")
+    want = model(**inputs).logits
+    model.set_attn_implementation(NAME)
+    torch._dynamo.reset()
+    before = hf.calls
+    got = torch.compile(model.forward, fullgraph=True, backend="eager")(**inputs).logits
+    assert hf.calls > before
+    real = inputs.get("attention_mask", torch.ones_like(ids)).bool()
+    assert_same(got.detach()[real], want.detach()[real], "logits")
+
+
+def test_output_attentions_in_training_with_dropout_are_the_weights_applied():
+    """As eager returns them: after dropout (rows no longer sum to 1), the ones that made the output."""
+    module = torch.nn.Module()
+    g = torch.Generator().manual_seed(6)
+    q, k, v = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)
+    torch.manual_seed(7)
+    out, weights = hf.attention_forward(module, q, k, v, None, dropout=0.5, output_attentions=True)
+    assert not torch.allclose(weights.sum(-1), torch.ones(2, 4, 5))
+    applied = weights @ v.repeat_interleave(2, dim=1)  # (batch, heads, n, d)
+    torch.testing.assert_close(out, applied.transpose(1, 2), rtol=1e-5, atol=1e-6)
+    torch.manual_seed(7)
+    alone, _ = hf.attention_forward(module, q, k, v, None, dropout=0.5)
+    assert torch.equal(out, alone)  # asking for the weights draws nothing more
+
+
 def test_output_attentions_are_the_exact_weights(no_sdpa):
     model = build("gpt_oss")
     ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(4))
