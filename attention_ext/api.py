@@ -317,7 +317,7 @@ def _lean_forward(query, key, value, causal_code, scale, enable_gqa=False):
     of argument handling per call (~20 µs with GQA): the whole cost of a decode-sized call."""
     if type(query) is not _Tensor or type(key) is not _Tensor or type(value) is not _Tensor:
         return None
-    if forward_ad_possible() or _is_compiling() or _autocast_dtype(query) is not None:
+    if forward_ad_possible() or _is_compiling() or _any_autocast():
         return None
     dtype = query.dtype
     if dtype not in FLOAT_DTYPES or key.dtype is not dtype or value.dtype is not dtype:
@@ -363,10 +363,16 @@ def draw_rng_state(device="cpu") -> torch.Tensor:
     return torch.randint(-(2 ** 63), 2 ** 63 - 1, (2,), dtype=torch.int64, device=device)
 
 
+# Whether any autocast is on (one cheap call; the lean path asks it on every call). A private
+# function (torch 2.4 to 2.13 have it); without it, each device is asked.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or \
+    (lambda: torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
+
+
 def _autocast_dtype(query):
     """The dtype torch.autocast asks for on the query's device, or None (off, or not a tensor)."""
-    if not isinstance(query, torch.Tensor):
-        return None
+    if not isinstance(query, torch.Tensor) or (not _is_compiling() and not _any_autocast()):
+        return None  # (compiling: the per-device query below, which dynamo traces)
     device_type = query.device.type
     if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
         return None

@@ -155,7 +155,8 @@ def test_gqa_slopes_must_name_every_query_head():
 
 
 def test_nested_tensors_are_refused_with_a_pointer_to_the_variable_length_api():
-    nested = torch.nested.nested_tensor([t(2, 3, 8), t(2, 5, 8)], layout=torch.jagged)
+    # (batch, ragged length, heads, dim) transposed to (batch, heads, length, dim), as torch's docs build them
+    nested = torch.nested.nested_tensor([t(3, 2, 8), t(5, 2, 8)], layout=torch.jagged).transpose(1, 2)
     with pytest.raises(NotImplementedError, match=r"query is a nested tensor.*varlen_attention"):
         sdpa(nested, nested, nested)
 

@@ -219,3 +219,15 @@ def test_under_autocast_the_call_runs_in_the_autocast_dtype_as_torchs_does():
     assert torch.equal(lean, scaled_dot_product_attention(*(t.detach().bfloat16() for t in (q, k, v))))
     out.float().sum().backward()
     assert q.grad.dtype == torch.float32
+
+
+def test_autocast_holds_in_a_compiled_call_too():
+    q, k, v = (torch.randn(1, 2, 3, 8) for _ in range(3))
+    mask = torch.randn(3, 3)
+    masked = torch.compile(lambda q, k, v, m: attention_ext.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                           fullgraph=True, backend="eager")
+    lean = torch.compile(lambda q, k, v: attention_ext.scaled_dot_product_attention(q, k, v, is_causal=True),
+                         fullgraph=True, backend="eager")
+    assert masked(q, k, v, mask).dtype == lean(q, k, v).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert masked(q, k, v, mask).dtype == lean(q, k, v).dtype == torch.bfloat16
