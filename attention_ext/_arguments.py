@@ -21,6 +21,7 @@ import torch
 from ._constants import CAUSAL_CODES, FLOAT_DTYPES, LOG2E, lse_dtype, max_scale, scale_overflows
 
 PREFIX = "attention_ext: "
+MAX_WINDOW = 2 ** 62  # the largest window bound (the kernels add bounds to int64 positions)
 _CAUSAL_CODE_VALUES = tuple(sorted(set(CAUSAL_CODES.values())))  # (a tuple: older dynamo traces `in` on it)
 
 
@@ -113,6 +114,9 @@ def band_rules(check: Check, causal, window_left, window_right, n, m) -> None:
           lambda: f"causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got {causal}")
     check(window_left >= -1 and window_right >= -1, ValueError,
           lambda: f"window bounds must be >= 0, or -1 for unbounded, got ({window_left}, {window_right})")
+    check(window_left <= MAX_WINDOW and window_right <= MAX_WINDOW, ValueError,
+          lambda: f"window bounds must be at most 2**62 (the kernels add them to int64 positions), got "
+          f"({window_left}, {window_right}); use -1 (None) for unbounded")
     check(causal != CAUSAL_CODES["top_left"] or (window_left < 0 and window_right < 0) or n == m, ValueError,
           lambda: f"a sliding window is aligned bottom-right and cannot be combined with top-left causal when "
           f"queries ({n}) and keys ({m}) differ in number; use bottom-right causal")
@@ -124,9 +128,10 @@ def softcap_rules(check: Check, softcap: float, dtype: torch.dtype) -> None:
     check(math.isfinite(softcap) and softcap >= 0.0, ValueError,
           lambda: f"softcap must be a finite number >= 0 (0: none), got {softcap}")
     acc = torch.finfo(lse_dtype(dtype))
-    check(softcap == 0.0 or acc.tiny <= softcap * LOG2E <= acc.max, ValueError,
+    top = min(acc.max, 1.0 / acc.tiny)  # (the reciprocal must stay a normal number too)
+    check(softcap == 0.0 or acc.tiny <= softcap * LOG2E <= top, ValueError,
           lambda: f"softcap must be within the {lse_dtype(dtype)} accumulation of {dtype} inputs "
-          f"({acc.tiny / LOG2E:.4g} <= softcap <= {acc.max / LOG2E:.4g}, or 0 for none), got {softcap}")
+          f"({acc.tiny / LOG2E:.4g} <= softcap <= {top / LOG2E:.4g}, or 0 for none), got {softcap}")
 
 
 def per_head_rules(check: Check, values: torch.Tensor, name: str, dtype: torch.dtype, query: torch.Tensor,

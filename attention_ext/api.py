@@ -137,8 +137,6 @@ def _check_window(window):
             raise TypeError(f"attention_ext: window {side} bound must be an int or None, got {type(b).__name__}")
         if b < -1:
             raise ValueError(f"attention_ext: window {side} bound must be >= 0 (or None / -1 for unbounded), got {b}")
-        if b > 2 ** 62:  # (the ops take int64)
-            raise ValueError(f"attention_ext: window {side} bound {b} is beyond int64; use None for unbounded")
         bounds.append(int(b))
     return bounds[0], bounds[1]
 
@@ -317,7 +315,7 @@ def _lean_forward(query, key, value, causal_code, scale, enable_gqa=False):
     of argument handling per call (~20 µs with GQA): the whole cost of a decode-sized call."""
     if type(query) is not _Tensor or type(key) is not _Tensor or type(value) is not _Tensor:
         return None
-    if forward_ad_possible() or _is_compiling() or _any_autocast():
+    if forward_ad_possible() or _is_compiling() or (_any_autocast() and _autocast_dtype(query) not in (None, query.dtype)):
         return None
     dtype = query.dtype
     if dtype not in FLOAT_DTYPES or key.dtype is not dtype or value.dtype is not dtype:
@@ -329,7 +327,10 @@ def _lean_forward(query, key, value, causal_code, scale, enable_gqa=False):
     elif not (query.is_cuda and key.is_cuda and value.is_cuda and key.get_device() == query.get_device()
               and value.get_device() == query.get_device() and _has_cuda_kernels()):
         return None
-    qs, ks, vs = query.shape, key.shape, value.shape
+    try:
+        qs, ks, vs = query.shape, key.shape, value.shape
+    except RuntimeError:  # (a strided nested tensor has no sizes: the full path says what it is)
+        return None
     rank = len(qs)
     if rank < 2 or len(ks) != rank or len(vs) != rank or qs[-1] != ks[-1] or ks[-2] != vs[-2]:
         return None
@@ -386,9 +387,11 @@ def _autocast(query, key, value, attn_mask):
     if dtype is None:
         return query, key, value, attn_mask
 
-    def cast(t):
-        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-    return cast(query), cast(key), cast(value), cast(attn_mask)
+    def cast(t):  # (autocast leaves float64 be, as torch's does)
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 \
+            else t
+    mask = attn_mask if _causal_bias_kind(attn_mask) is not None else cast(attn_mask)  # (a CausalBias stays one)
+    return cast(query), cast(key), cast(value), mask
 
 
 def _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa):

@@ -30,8 +30,8 @@ static cache's traced positions, and any mask transformers builds from extra mas
 (image tokens, prefix-LM): the mask function skips a mask only where transformers allows it to.
 
 Under torch.compile (tracing) the data-dependent shortcuts step aside: transformers' own mask
-is used where a CausalKeyMask would be, and position_ids are turned into a segment mask without
-checking whether they restart. Arguments that change what is attended to and that the kernels do
+is used where a CausalKeyMask would be (padding), packing is what transformers' mask code saw (as
+for its sdpa path), and a layer with no window of its own takes its config's. Arguments that change what is attended to and that the kernels do
 not take (_UNSUPPORTED_KWARGS) raise NotImplementedError.
 
 transformers is an optional dependency (`pip install attention_ext[hf]`), imported only here.
@@ -115,8 +115,8 @@ def mask_function(*args, **kwargs):
     local = call.get("local_size")
     if causal and visible is not None:
         padding = _key_padding(call.get("attention_mask"), kv_offset, m, visible)
-        if padding is None and visible == m and local is None:
-            return None
+        if padding is None and visible == m and (local is None or _tracing()):
+            return None  # (tracing: attention_forward finds the window without the mask, _traced_window)
         if _tracing():  # (dynamo does not trace as_subclass): transformers' own mask, the structure in it
             return sdpa_mask(**call)
         keys = (padding[:, :visible].contiguous() if padding is not None
@@ -203,15 +203,24 @@ def _packed_segments(position_ids, cu_seq_lens, batch, n):
         starts = torch.zeros(n, dtype=torch.int64, device=bounds.device)
         starts[inner] = 1  # (an empty sequence inside repeats a bound: the same start)
         return starts.cumsum(0).unsqueeze(0)
-    segments = _traced_segments(position_ids, batch, n)
+    segments = _position_segments(position_ids, batch, n)
     if segments is None or not bool(segments[:, -1].any()):  # (no row restarts its positions)
         return None
     return segments
 
 
-def _traced_segments(position_ids, batch, n):
-    """_packed_segments' position_ids rule while tracing: the segment ids always, as transformers'
-    mask code computes them when compiled (whether the rows are packed depends on the data)."""
+def _traced_window(module):
+    """While tracing, a sliding-window layer that neither passes its window nor has one gets no key
+    mask from mask_function (it would need as_subclass): its window is the one transformers' mask
+    code used, the config's sliding_window, for a model whose layers do not alternate."""
+    config = getattr(module, "config", None)
+    if config is None or getattr(config, "layer_types", None) is not None:
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def _position_segments(position_ids, batch, n):
+    """(batch, n) segment ids from position_ids restarting (every row one segment if none does)."""
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != n or n < 2:
         return None
     restarts = torch.diff(position_ids, dim=-1) != 1
@@ -280,20 +289,21 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     # keys, so the segment mask below changes nothing there.
     segments = None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_k is not None and (cu_q is None or not torch.equal(cu_k.to(cu_q.device, torch.int64), cu_q.to(torch.int64))):
+    if cu_k is not None and cu_k is not cu_q and not _tracing() and \
+            (cu_q is None or not torch.equal(cu_k.to(cu_q.device, torch.int64), cu_q.to(torch.int64))):
         raise NotImplementedError("attention_ext.hf: cu_seq_lens_k differing from cu_seq_lens_q (packed keys other "
                                   "than the packed queries) is not supported yet")
-    if m == n and not key_padding:
-        if not _tracing():
-            segments = _packed_segments(kwargs.get("position_ids"), cu_q, batch, n)
-        elif mask is None:  # (compiled: no data-dependent check; transformers' own mask holds any packing it saw)
-            segments = _traced_segments(kwargs.get("position_ids"), batch, n)
+    if m == n and not key_padding and not _tracing():  # (compiled: transformers' mask code decides packing, as for sdpa)
+        segments = _packed_segments(kwargs.get("position_ids"), cu_q, batch, n)
     elif cu_q is not None and cu_q.numel() > 2:
         raise NotImplementedError("attention_ext.hf: packed sequences (cu_seq_lens_q) with cached keys or padding are "
                                   "not supported yet")
     sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if mask_window is not None:  # transformers' mask code says the layer's window
         sliding = mask_window
+    elif sliding is None and mask is None and _tracing() and "sliding_window" not in kwargs \
+            and not hasattr(module, "sliding_window"):
+        sliding = _traced_window(module)
     # transformers' sliding window: attend iff 0 <= q_pos - k_pos < sliding_window.
     window = (int(sliding) - 1, None) if sliding is not None and causal_layer else None
     softcap = kwargs.get("softcap")

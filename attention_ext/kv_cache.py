@@ -131,7 +131,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _fail(ValueError, f"a paged k_cache needs at least one block of at least one slot, got shape "
                           f"{tuple(k_cache.shape)} (num_blocks, block_size, kv_heads, head_dim)")
     kv_heads, device = k_cache.shape[2], q.device
-    from .flash import _band_from  # flash imports this module
+    from .flash import _band_from, _check_alibi  # (flash imports this module)
 
     _, (window_left, window_right) = _band_from(causal, window_size)
     if causal:
@@ -176,17 +176,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                   "pass cache_batch_idx to say which cache row each entry uses")
             _fail(IndexError, f"cache_batch_idx[{b}] = {rows[b]} is outside the cache's {k_cache.shape[0]} rows")
 
+    # Every rule that can refuse the call, before anything is written (the op checks them again).
+    _arguments.band_rules(_arguments.enforce, 2 if causal else 0, window_left, window_right, seqlen_q, capacity)
+    _arguments.softcap_rules(_arguments.enforce, softcap, q.dtype)
     groups = heads // kv_heads
     slopes = alibi_slopes
     if slopes is not None:
-        if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32 \
-                or tuple(slopes.shape) not in ((heads,), (batch, heads)):
-            got = f"{slopes.dtype} of shape {tuple(slopes.shape)}" if isinstance(slopes, torch.Tensor) \
-                else type(slopes).__name__
-            _fail(TypeError, f"alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads}), got {got}")
+        _check_alibi(slopes, batch, heads)
         if slopes.device != device:
             _fail(ValueError, f"alibi_slopes must be on q's device {device}, got {slopes.device}")
         slopes = slopes.unflatten(-1, (kv_heads, groups))
+
+    if batch == 0:  # nothing to write or attend to
+        out = q.new_empty((0, seqlen_q, heads, v_cache.shape[-1]))
+        return (out, q.new_empty((0, heads, seqlen_q), dtype=lse_dtype(q.dtype))) if return_softmax_lse else out
 
     if rotary_cos is not None or rotary_sin is not None:
         if rotary_cos is None or rotary_sin is None or k is None:
@@ -206,10 +209,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             _fail(ValueError, f"position {last} is beyond the rotary tables' {rotary_cos.shape[0]} positions")
         k = _rotate(k, rotary_cos, rotary_sin, k_positions, rotary_interleaved)
         q = _rotate(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
-
-    if batch == 0:  # nothing to write or attend to
-        out = q.new_empty((0, seqlen_q, heads, v_cache.shape[-1]))
-        return (out, q.new_empty((0, heads, seqlen_q), dtype=lse_dtype(q.dtype))) if return_softmax_lse else out
 
     if k is not None and new > 0:
         positions = torch.tensor(lengths, device=device).unsqueeze(-1) + torch.arange(new, device=device)

@@ -198,6 +198,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     scale = _check_scale(scale, k)
     window_left, window_right = _check_window(window)
     softcap = _check_softcap(softcap)
+    _arguments.softcap_rules(enforce, softcap, q.dtype)
+    _arguments.band_rules(enforce, causal_code, window_left, window_right, 0, 0)
     dropout_p = _check_dropout(dropout_p)
     sequences = cu_seqlens_q.shape[0] - 1
     slopes = _per_head(alibi_slopes, "alibi_slopes", heads, kv_heads, sequences, torch.float32)

@@ -100,6 +100,9 @@ AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, 
   TORCH_CHECK(logit.window_left >= -1 && logit.window_right >= -1,
               "attention_ext: window bounds must be >= 0, or -1 for unbounded, got (", logit.window_left,
               ", ", logit.window_right, ")");
+  TORCH_CHECK(logit.window_left <= (int64_t(1) << 62) && logit.window_right <= (int64_t(1) << 62),
+              "attention_ext: window bounds must be at most 2**62 (they are added to int64 positions), got (",
+              logit.window_left, ", ", logit.window_right, ")");
   TORCH_CHECK(std::isfinite(logit.softcap) && logit.softcap >= 0.0,
               "attention_ext: softcap must be a finite number >= 0 (0: none), got ", logit.softcap);
   {
@@ -108,10 +111,10 @@ AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, 
     const bool is_double = q.scalar_type() == at::kDouble;
     const double acc_max = is_double ? std::numeric_limits<double>::max() : std::numeric_limits<float>::max();
     const double acc_tiny = is_double ? std::numeric_limits<double>::min() : std::numeric_limits<float>::min();
-    const double cap = logit.softcap * kLog2e;
-    TORCH_CHECK(logit.softcap == 0.0 || (cap >= acc_tiny && cap <= acc_max), "attention_ext: softcap ", logit.softcap,
+    const double cap = logit.softcap * kLog2e, top = std::min(acc_max, 1.0 / acc_tiny);
+    TORCH_CHECK(logit.softcap == 0.0 || (cap >= acc_tiny && cap <= top), "attention_ext: softcap ", logit.softcap,
                 " is outside the ", lse_dtype(q.scalar_type()), " accumulation of ", q.scalar_type(), " inputs (",
-                acc_tiny / kLog2e, " <= softcap <= ", acc_max / kLog2e, ", or 0 for none)");
+                acc_tiny / kLog2e, " <= softcap <= ", top / kLog2e, ", or 0 for none)");
   }
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
               "attention_ext: dropout_p must be in [0, 1), got ", dropout_p);

@@ -125,7 +125,8 @@ def test_a_one_element_dropout_tensor_is_taken_as_its_value():
     assert torch.equal(a, sdpa(q, q, q, dropout_p=0.25))
 
 
-@pytest.mark.parametrize("dtype,softcap", [(torch.float32, 1e39), (torch.float32, 1e-46), (torch.float64, 1e-320)])
+@pytest.mark.parametrize("dtype,softcap", [(torch.float32, 1e39), (torch.float32, 1e38), (torch.float32, 1e-46),
+                                           (torch.float64, 1e-320)])  # (1e38: its reciprocal would be subnormal)
 def test_a_softcap_outside_the_accumulation_range_is_refused(dtype, softcap):
     """softcap·log2(e) is held in the accumulation dtype: beyond it NaN, below its normal range 0."""
     q = t(2, 3, 4).to(dtype)
@@ -154,11 +155,13 @@ def test_gqa_slopes_must_name_every_query_head():
                                       alibi_slopes=torch.ones(2))
 
 
-def test_nested_tensors_are_refused_with_a_pointer_to_the_variable_length_api():
+@pytest.mark.parametrize("layout", ["jagged", "strided"])
+def test_nested_tensors_are_refused_with_a_pointer_to_the_variable_length_api(layout):
     # (batch, ragged length, heads, dim) transposed to (batch, heads, length, dim), as torch's docs build them
-    nested = torch.nested.nested_tensor([t(3, 2, 8), t(5, 2, 8)], layout=torch.jagged).transpose(1, 2)
-    with pytest.raises(NotImplementedError, match=r"query is a nested tensor.*varlen_attention"):
-        sdpa(nested, nested, nested)
+    nested = torch.nested.nested_tensor([t(3, 2, 8), t(5, 2, 8)], layout=getattr(torch, layout)).transpose(1, 2)
+    for call in (sdpa, attention_ext.attention):
+        with pytest.raises(NotImplementedError, match=r"query is a nested tensor.*varlen_attention"):
+            call(nested, nested, nested)
 
 
 def test_gqa_with_every_leading_dim_in_use_says_why_it_does_not_fit():
@@ -167,16 +170,31 @@ def test_gqa_with_every_leading_dim_in_use_says_why_it_does_not_fit():
         sdpa(q, kv, kv, enable_gqa=True)
 
 
-def test_a_window_beyond_int64_is_a_value_error():
+@pytest.mark.parametrize("bound", [2 ** 62 + 1, 2 ** 70])
+def test_a_window_bound_beyond_2_to_the_62_is_a_value_error(bound):
     q = t(1, 2, 3, 8)
-    with pytest.raises(ValueError, match=r"window left bound .* is beyond int64"):
-        attention_ext.attention(q, q, q, window=(2 ** 70, None))
+    with pytest.raises(ValueError, match=r"window bounds must be at most 2\*\*62"):
+        attention_ext.attention(q, q, q, window=(bound, None))
+    assert attention_ext.attention(q, q, q, window=(2 ** 62, None)).shape == q.shape
+
+
+def test_leading_dims_up_to_the_kernels_limit_run_and_one_more_is_refused():
+    """The Python GQA rule's limit is the kernels' kMaxBatchDims: 8 leading dims run, 9 do not."""
+    from attention_ext.api import _MAX_BATCH_DIMS
+    q = t(*[1] * _MAX_BATCH_DIMS, 3, 8)
+    assert sdpa(q, q, q).shape == q.shape
+    q = t(*[1] * (_MAX_BATCH_DIMS + 1), 3, 8)
+    with pytest.raises(RuntimeError, match=rf"at most {_MAX_BATCH_DIMS} batch dims"):
+        sdpa(q, q, q)
 
 
 def test_kvcache_with_no_entries_returns_empty_results_and_a_paged_cache_needs_a_slot():
     out, lse = attention_ext.flash_attn_with_kvcache(t(0, 1, 4, 8), t(2, 5, 2, 8), t(2, 5, 2, 8), cache_seqlens=2,
                                                      return_softmax_lse=True)
     assert out.shape == (0, 1, 4, 8) and lse.shape == (0, 4, 1) and lse.dtype == torch.float32
+    rotated = attention_ext.flash_attn_with_kvcache(t(0, 1, 4, 8), t(2, 5, 2, 8), t(2, 5, 2, 8), t(0, 1, 2, 8),
+                                                   t(0, 1, 2, 8), torch.ones(6, 4), torch.zeros(6, 4), cache_seqlens=2)
+    assert rotated.shape == (0, 1, 4, 8)
     with pytest.raises(ValueError, match=r"a paged k_cache needs at least one block of at least one slot"):
         attention_ext.flash_attn_with_kvcache(t(3, 1, 4, 8), t(3, 0, 2, 8), t(3, 0, 2, 8), cache_seqlens=0,
                                               block_table=torch.zeros(3, 1, dtype=torch.int32))

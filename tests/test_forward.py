@@ -219,6 +219,12 @@ def test_under_autocast_the_call_runs_in_the_autocast_dtype_as_torchs_does():
     assert torch.equal(lean, scaled_dot_product_attention(*(t.detach().bfloat16() for t in (q, k, v))))
     out.float().sum().backward()
     assert q.grad.dtype == torch.float32
+    # float64 is left be (as torch's autocast), and a CausalBias stays one
+    from torch.nn.attention.bias import causal_lower_right
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert scaled_dot_product_attention(*(x.detach().double() for x in (q, k, v))).dtype == torch.float64
+        assert torch.equal(scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(3, 5)),
+                           attention_ext.attention(q, k, v, causal="bottom_right"))
 
 
 def test_autocast_holds_in_a_compiled_call_too():

@@ -284,13 +284,22 @@ def test_a_window_only_transformers_mask_code_knows_is_applied(no_sdpa):
         assert got[2] > 0
     got, want = generate_with(model, NAME, ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
+    # compiled: no key mask to carry the window (as_subclass does not trace); the config's is taken
+    model.set_attn_implementation("eager")
+    want = model(input_ids=ids).logits
+    model.set_attn_implementation(NAME)
+    torch._dynamo.reset()
+    assert_same(torch.compile(model.forward, fullgraph=True, backend="eager")(input_ids=ids).logits.detach(),
+                want.detach(), "compiled logits")
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 @pytest.mark.parametrize("how", ["padding", "no_mask", "packed"])
 def test_a_compiled_fullgraph_forward_equals_eager(family, how, no_sdpa):
     """torch.compile(model.forward, fullgraph=True), as transformers documents it: the mask code's
-    data-dependent shortcuts step aside while tracing (transformers' own mask is used instead)."""
+    data-dependent shortcuts step aside while tracing (transformers' own mask where there is
+    padding or packing it saw); without them the layer's structure still reaches the kernels, no
+    rows x keys mask."""
     model = build(family)
     ids, mask = prompt_of(9, 3)
     inputs = dict(input_ids=ids)
@@ -303,8 +312,20 @@ def test_a_compiled_fullgraph_forward_equals_eager(family, how, no_sdpa):
     model.set_attn_implementation(NAME)
     torch._dynamo.reset()
     before = hf.calls
-    got = torch.compile(model.forward, fullgraph=True, backend="eager")(**inputs).logits
+    seen = []
+    kernel = hf.attention
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        seen.append(attn_mask is None)
+        return kernel(query, key, value, attn_mask=attn_mask, **kwargs)
+    hf.attention = spy
+    try:
+        got = torch.compile(model.forward, fullgraph=True, backend="eager")(**inputs).logits
+    finally:
+        hf.attention = kernel
     assert hf.calls > before
+    if how == "no_mask":
+        assert seen and all(seen), "a mask reached the kernels of a compiled call without padding or packing"
     real = inputs.get("attention_mask", torch.ones_like(ids)).bool()
     assert_same(got.detach()[real], want.detach()[real], "logits")
 

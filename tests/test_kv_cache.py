@@ -285,6 +285,8 @@ BAD = [
     (dict(bad_block=True), IndexError, "block outside the cache"),
     (dict(alibi_slopes=torch.ones(3)), TypeError, r"alibi_slopes must be float32 of shape \(4,\)"),
     (dict(five_entries=True), IndexError, "larger than the cache's 4 rows: pass cache_batch_idx"),
+    (dict(softcap=1e39), ValueError, "softcap must be within the"),
+    (dict(window_size=(2 ** 63 - 1, -1)), ValueError, r"window bounds must be at most 2\*\*62"),
 ]
 
 
@@ -298,7 +300,8 @@ def test_bad_arguments_raise_before_anything_is_written(bad, error, message):
     k_new, v_new = torch.randn(3, new, 2, 8), torch.randn(3, new, 2, 8)
     if bad.get("five_entries"):  # more entries than cache rows, without cache_batch_idx
         q, k_new, v_new = (torch.cat([t, t[:2]]) for t in (q, k_new, v_new))
-    kwargs = {key: bad[key] for key in ("cache_batch_idx", "cache_leftpad", "window_size", "alibi_slopes") if key in bad}
+    kwargs = {key: bad[key] for key in ("cache_batch_idx", "cache_leftpad", "window_size", "alibi_slopes", "softcap")
+              if key in bad}
     kwargs["cache_seqlens"] = bad.get("cache_seqlens", torch.tensor([1, 2, 3] + [4] * (q.shape[0] - 3),
                                                                     dtype=torch.int32))
     if bad.get("k_only"):
