@@ -551,6 +551,10 @@ def test_backward_with_a_merged_lse_takes_p_from_it(n):
 # --- the README's example ---------------------------------------------------------------------------
 
 @pytest.mark.slow_on_emulation
+@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5),
+                    reason="torch 2.4's gloo can deadlock in destroy_process_group at exit (its ProcessGroupGloo "
+                           "destructor joins worker threads while holding the GIL; pytorch/pytorch#154976): seen "
+                           "in 2 of 6 runs of this example there, after both ranks had printed their results")
 def test_readme_torchrun_example_runs(tmp_path):
     """The README's context-parallel example, run as it says (torchrun, two processes)."""
     import re
