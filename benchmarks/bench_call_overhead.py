@@ -157,7 +157,7 @@ def main(argv=None):
         + (f" --kv-heads {a.kv_heads}" if a.kv_heads else "") + f" --reps {a.reps}"
         + (f" --out {a.out}`" if a.out else "`"),
         f"- shape {a.shape} (BxHxnxmxd)" + (f", {kv_heads} K/V heads (enable_gqa)" if gqa else "")
-        + "; µs per call, median of {a.reps} interleaved samples (each >= 20 ms of "
+        + f"; µs per call, median of {a.reps} interleaved samples (each >= 20 ms of "
         "back-to-back calls), min–max beside it",
         "- load average before/after: " + " ".join(f"{x:.2f}" for x in load_before) + " / "
         + " ".join(f"{x:.2f}" for x in load_after),
