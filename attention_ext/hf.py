@@ -31,8 +31,9 @@ static cache's traced positions, and any mask transformers builds from extra mas
 
 Under torch.compile (tracing) the data-dependent shortcuts step aside: transformers' own mask
 is used where a CausalKeyMask would be (padding), packing is what transformers' mask code saw (as
-for its sdpa path), and a layer with no window of its own takes its config's. Arguments that change what is attended to and that the kernels do
-not take (_UNSUPPORTED_KWARGS) raise NotImplementedError.
+for its sdpa path), and a layer with no window of its own takes its config's. Arguments that
+change what is attended to and that the kernels do not take (_UNSUPPORTED_KWARGS) raise
+NotImplementedError.
 
 transformers is an optional dependency (`pip install attention_ext[hf]`), imported only here.
 """

@@ -55,8 +55,11 @@ def _kvcache_fwd_fake(query, k_cache, v_cache, cache_seqlens, cache_batch_idx, c
     return out, query.new_empty((batch, *heads, n), dtype=lse_dtype(query.dtype))
 
 
+_PREFIX = "attention_ext.flash_attn_with_kvcache: "
+
+
 def _fail(error, message):
-    raise error("attention_ext.flash_attn_with_kvcache: " + message)
+    raise error(_PREFIX + message)
 
 
 def _per_entry(t, name, batch, device):
@@ -140,8 +143,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     softcap = _check_softcap(softcap)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         _fail(TypeError, f"num_splits must be an int >= 0, got {num_splits!r}")
-    rotary_interleaved = _arguments.flag(rotary_interleaved, "rotary_interleaved", "attention_ext.flash_attn_with_kvcache: ")
-    return_softmax_lse = _arguments.flag(return_softmax_lse, "return_softmax_lse", "attention_ext.flash_attn_with_kvcache: ")
+    rotary_interleaved = _arguments.flag(rotary_interleaved, "rotary_interleaved", _PREFIX)
+    return_softmax_lse = _arguments.flag(return_softmax_lse, "return_softmax_lse", _PREFIX)
 
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
@@ -191,27 +194,28 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out = q.new_empty((0, seqlen_q, heads, v_cache.shape[-1]))
         return (out, q.new_empty((0, heads, seqlen_q), dtype=lse_dtype(q.dtype))) if return_softmax_lse else out
 
+    # (batch, 1) cache indices where each entry's new keys go, and so (FlashAttention's rule) the
+    # positions rotary rotates them and q at
+    start = torch.tensor(lengths, device=device).unsqueeze(-1)
+    positions = start + torch.arange(new, device=device)
     if rotary_cos is not None or rotary_sin is not None:
         if rotary_cos is None or rotary_sin is None or k is None:
             _fail(ValueError, "rotary_cos and rotary_sin go together and only with new k / v to rotate")
         if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or 2 * rotary_cos.shape[1] > q.shape[-1]:
             _fail(ValueError, f"rotary_cos / rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
                               f"head_dim ({q.shape[-1]}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-        start = torch.tensor(lengths, device=device).unsqueeze(-1)  # cache indices, as FlashAttention's
-        k_positions = start + torch.arange(new, device=device)
         # FlashAttention takes a window side as long as the cache for none (it hides no key), and
         # rotates q row by row only for a causal or windowed call.
         local = causal or any(0 <= side < capacity for side in (window_left, window_right))
         q_positions = start + (torch.arange(seqlen_q, device=device) if local
                                else torch.zeros(seqlen_q, dtype=torch.int64, device=device))
-        last = max([int(k_positions.max()) if new else -1] + [int(q_positions.max()) if seqlen_q else -1])
+        last = max([int(positions.max()) if new else -1] + [int(q_positions.max()) if seqlen_q else -1])
         if last >= rotary_cos.shape[0]:
             _fail(ValueError, f"position {last} is beyond the rotary tables' {rotary_cos.shape[0]} positions")
-        k = _rotate(k, rotary_cos, rotary_sin, k_positions, rotary_interleaved)
+        k = _rotate(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
         q = _rotate(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
 
     if k is not None and new > 0:
-        positions = torch.tensor(lengths, device=device).unsqueeze(-1) + torch.arange(new, device=device)
         if paged:
             table = block_table.to(device=device, dtype=torch.int64)
             blocks = table.gather(1, positions // k_cache.shape[1])
