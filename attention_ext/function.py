@@ -10,7 +10,10 @@ Beyond first order the library composes torch ops, at O(batch · n · m) memory:
     the same Jacobian formula written in torch ops; cost ≈ a naive attention forward + backward.
   * forward-mode AD (`AttentionFunction.jvp`) uses the exact weights from `attention_probs`
     (through `AttentionWeightsFunction`, whose own jvp makes forward-over-forward work):
-    out_t = (P_t ∘ Z) V + (P ∘ Z) V_t with P_t = P ∘ (S_t − rowsum(P ∘ S_t)).
+    out_t = (P_t ∘ Z) V + (P ∘ Z) V_t with P_t = P ∘ (S_t − rowsum(P ∘ S_t)); forward over
+    forward is refused (refuse_nested_forward_ad).
+  * forward over reverse (torch.func.hessian) is AttentionBackward.jvp: torch.func.jvp of the
+    composite backward.
   * vmap rules fold the vmapped dim into the ops' broadcast batch dims: no Python loop.
 """
 from __future__ import annotations
@@ -55,6 +58,62 @@ def forward_ad_possible() -> bool:
     # Under torch.compile the functorch state is the tracer's business (and older releases'
     # dynamo cannot trace this query, e.g. torch 2.4's).
     return not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active()
+
+
+class _SecondDerivativeRefused(torch.autograd.Function):
+    """The identity on a first-order backward's results, recorded against everything they depend
+    on (the incoming gradients and the saved inputs): differentiating through it raises."""
+
+    @staticmethod
+    def forward(what, count, *tensors):
+        return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in tensors[:count])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.what = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(f"attention_ext: {ctx.what} has a first-order backward only: a second derivative "
+                                  f"through it (create_graph=True, a Hessian, double backward) is not supported; "
+                                  f"attention_ext.attention() has one")
+
+
+def first_order_backward(what):
+    """Decorates a backward(ctx, *grads) that is not itself differentiable. The backward runs
+    without recording; when autograd keeps a graph of it (create_graph=True) its results are tied
+    to the incoming gradients and the saved inputs through a node that raises if differentiated.
+    (torch's once_differentiable ties them to detached copies instead, so torch.autograd.grad of a
+    result with respect to an input finds no path and silently returns zeros or None.)"""
+    def decorate(backward):
+        def run(ctx, *grads):
+            keep_graph = torch.is_grad_enabled()
+            with torch.no_grad():
+                results = backward(ctx, *grads)
+            if not keep_graph:
+                return results
+            sources = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not sources:
+                return results
+            return _SecondDerivativeRefused.apply(what, len(results), *results, *sources)
+        run.__name__, run.__doc__ = backward.__name__, backward.__doc__
+        return run
+    return decorate
+
+
+def refuse_nested_forward_ad():
+    """Forward over forward (torch.func.jvp of jvp, jacfwd of jacfwd) is refused: torch hands a
+    custom Function's jvp its saved tensors without the outer level's tangent, so the second-order
+    term would be silently dropped. Reverse over forward and forward over reverse are exact."""
+    if torch.compiler.is_compiling():
+        return
+    stack = torch._C._functorch.get_interpreter_stack() or ()
+    if sum(1 for level in stack if level.key() == torch._C._functorch.TransformType.Jvp) > 1:
+        raise NotImplementedError(
+            "attention_ext: nested forward-mode AD (jvp of jvp, jacfwd of jacfwd) is not supported: torch does not "
+            "pass the outer level's tangent into a custom Function's jvp, so the result would miss the second-order "
+            "term; use torch.func.hessian (forward over reverse), jacrev(jacfwd(f)) or "
+            "torch.autograd.functional.hessian")
 
 
 def keep_scale(rng_state, batch_shape, n, m, dropout_p, dtype):
@@ -137,11 +196,13 @@ class AttentionFunction(_PositionalApply, torch.autograd.Function):
             raise RuntimeError(
                 "attention_ext: forward-mode AD needs its dual level opened through torch.autograd.forward_ad "
                 "(dual_level() or enter_dual_level()); a level entered through torch._C is not seen")
+        refuse_nested_forward_ad()
         query, key, value, attn_mask, rng_state, alibi_slopes, sinks = ctx.saved_tensors
         _no_tangent(alibi_t, "alibi_slopes")
         scale = ctx.scale
         s_t = _score_tangent(query, key, query_t, key_t, mask_t, scale, ctx.logit[3])
-        # Through the weights' own Function, so nested forward-mode AD sees their tangent too.
+        # Through the weights' own Function, whose backward lets reverse over forward (jacrev of
+        # jacfwd) differentiate this jvp.
         probs = AttentionWeightsFunction.apply(query, key, attn_mask, scale, *ctx.logit, alibi_slopes, sinks)
         batch = probs.shape[:-2]
         z = None
@@ -302,6 +363,23 @@ def attention_backward_composite(grad_out, grad_lse, query, key, value, attn_mas
     return dq.sum_to_size(query.shape), dk.sum_to_size(key.shape), dv.sum_to_size(value.shape), dmask
 
 
+# AttentionBackward's differentiable inputs (grad_out, grad_lse, query, key, value, attn_mask, sinks):
+# their positions among its forward's arguments.
+_BACKWARD_LEAF_ARGS = (0, 1, 2, 3, 4, 5, 14)
+
+
+def _composite_in(ctx, leaves, wants, rng_state, alibi_slopes, outputs):
+    """attention_backward_composite as a function of the wanted leaves alone (the others fixed),
+    returning the results listed in outputs (indices into (dq, dk, dv, dmask))."""
+    def composite(*chosen):
+        it = iter(chosen)
+        args = [next(it) if w else t for t, w in zip(leaves, wants)]
+        results = attention_backward_composite(*args[:6], ctx.scale, ctx.logit, alibi_slopes, args[6], ctx.dropout_p,
+                                               rng_state)
+        return tuple(results[i] for i in outputs)
+    return composite
+
+
 class AttentionBackward(_PositionalApply, torch.autograd.Function):
     """The fused backward as a differentiable function (its own backward is the composition)."""
 
@@ -319,29 +397,51 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
         ctx.scale, ctx.dropout_p, ctx.mask_grad = scale, dropout_p, mask_grad
         ctx.logit = (causal, window_left, window_right, softcap)
         ctx.save_for_backward(grad_out, grad_lse, query, key, value, attn_mask, rng_state, alibi_slopes, sinks)
+        if forward_ad_possible():  # only jvp reads these
+            ctx.save_for_forward(grad_out, grad_lse, query, key, value, attn_mask, rng_state, alibi_slopes, sinks)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, g_dq, g_dk, g_dv, g_dmask):
         grad_out, grad_lse, query, key, value, attn_mask, rng_state, alibi_slopes, sinks = ctx.saved_tensors
-        # The differentiable inputs, in the order of forward's arguments but for sinks (argument 14).
-        leaves = [grad_out, grad_lse, query, key, value, attn_mask, sinks]
-        wants = [ctx.needs_input_grad[i] and leaves[i] is not None for i in range(6)]
+        leaves = (grad_out, grad_lse, query, key, value, attn_mask, sinks)
+        wants = [bool(ctx.needs_input_grad[i]) and t is not None for i, t in zip(_BACKWARD_LEAF_ARGS, leaves)]
         wants[5] = wants[5] and attn_mask.is_floating_point()
-        wants.append(ctx.needs_input_grad[14] and sinks is not None)
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(w) if t is not None else None for t, w in zip(leaves, wants)]
-            results = attention_backward_composite(*inputs[:6], ctx.scale, ctx.logit, alibi_slopes, inputs[6],
-                                                   ctx.dropout_p, rng_state)
-            pairs = [(r, g) for r, g in zip(results, (g_dq, g_dk, g_dv, g_dmask if ctx.mask_grad else None))
-                     if r is not None and g is not None and r.requires_grad]
-            targets = [t for t, w in zip(inputs, wants) if w]
-            grads = (torch.autograd.grad([r for r, _ in pairs], targets, [g for _, g in pairs], allow_unused=True,
-                                         create_graph=torch.is_grad_enabled())
-                     if pairs and targets else [None] * len(targets))
-        it = iter(grads)
-        out = [next(it) if w else None for w in wants]
-        return (*out[:6],) + (None,) * 8 + (out[6], None, None, None, None)
+        cotangents = (g_dq, g_dk, g_dv, g_dmask if ctx.mask_grad else None)
+        chosen = [i for i, g in enumerate(cotangents) if g is not None]
+        grads = [None] * len(leaves)
+        if chosen and any(wants):
+            # torch.func.vjp rather than autograd.grad: it needs no requires_grad_() on the saved
+            # tensors, which torch.func's transforms forbid (grad of grad), and it keeps the graph
+            # for a further derivative when one is being recorded.
+            f = _composite_in(ctx, leaves, wants, rng_state, alibi_slopes, chosen)
+            _, vjp = torch.func.vjp(f, *(t for t, w in zip(leaves, wants) if w))
+            it = iter(vjp(tuple(cotangents[i] for i in chosen)))
+            grads = [next(it) if w else None for w in wants]
+        return (*grads[:6],) + (None,) * 8 + (grads[6], None, None, None, None)
+
+    @staticmethod
+    def jvp(ctx, grad_out_t, grad_lse_t, query_t, key_t, value_t, mask_t, _out_t, _lse_t, _scale_t, _causal_t,
+            _left_t, _right_t, _softcap_t, alibi_t, sinks_t, *unused):
+        # out and lse are functions of query, key and value that the composite recomputes, so their
+        # tangents are already in the composite's; the ones passed are not used twice.
+        refuse_nested_forward_ad()
+        _no_tangent(alibi_t, "alibi_slopes")
+        grad_out, grad_lse, query, key, value, attn_mask, rng_state, alibi_slopes, sinks = ctx.saved_tensors
+        leaves = (grad_out, grad_lse, query, key, value, attn_mask, sinks)
+        tangents = (grad_out_t, grad_lse_t, query_t, key_t, value_t, mask_t, sinks_t)
+        wants = [t is not None and t_t is not None for t, t_t in zip(leaves, tangents)]
+        wants[5] = wants[5] and attn_mask.is_floating_point()
+        outputs = [0, 1, 2, 3] if ctx.mask_grad else [0, 1, 2]
+        if any(wants):
+            f = _composite_in(ctx, leaves, wants, rng_state, alibi_slopes, outputs)
+            _, results = torch.func.jvp(f, tuple(t for t, w in zip(leaves, wants) if w),
+                                        tuple(t for t, w in zip(tangents, wants) if w))
+        else:
+            results = (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
+                       torch.zeros_like(attn_mask))[:len(outputs)]
+        dmask_t = results[3] if ctx.mask_grad else query.new_zeros((0,))
+        return results[0], results[1], results[2], dmask_t
 
     @staticmethod
     def vmap(info, in_dims, grad_out, grad_lse, query, key, value, attn_mask, out, lse, scale, causal,
@@ -444,6 +544,7 @@ class AttentionWeightsFunction(_PositionalApply, torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, query_t, key_t, mask_t, _scale_t, _causal_t, _left_t, _right_t, _softcap_t, alibi_t, sinks_t):
+        refuse_nested_forward_ad()
         _no_tangent(alibi_t, "alibi_slopes")
         query, key, w = ctx.saved_tensors
         return _weights_tangent(query, key, w, query_t, key_t, mask_t, sinks_t, ctx.scale, ctx.softcap)

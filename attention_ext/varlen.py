@@ -20,13 +20,12 @@ from __future__ import annotations
 import numbers
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _arguments
 from ._arguments import enforce
 from ._constants import lse_dtype
 from ._ops import below_autograd, ops
-from .function import sink_gradient
+from .function import first_order_backward, sink_gradient
 
 __all__ = ["varlen_attention"]
 
@@ -91,6 +90,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+@first_order_backward("varlen_attention")
 def _backward(ctx, grad_out, grad_lse):
     query, key, value, cu_q, cu_k, out, lse, alibi_slopes, sinks, rng_state = ctx.saved_tensors
     if grad_out is None and grad_lse is None:
@@ -106,7 +106,7 @@ def _backward(ctx, grad_out, grad_lse):
     return (dq, dk, dv) + (None,) * 10 + (dsinks, None, None)
 
 
-torch.library.register_autograd("attention_ext::attention_varlen_fwd", once_differentiable(_backward),
+torch.library.register_autograd("attention_ext::attention_varlen_fwd", _backward,
                                 setup_context=_setup_context)
 
 
@@ -125,7 +125,6 @@ class VarlenAttentionFunction(torch.autograd.Function):
         _setup_context(ctx, inputs, output)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         return _backward(ctx, grad_out, grad_lse)
 

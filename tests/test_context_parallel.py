@@ -274,6 +274,16 @@ def case_grad_mode_differs(rank, world):
         cp.context_parallel_attention(q, q, q)
 
 
+def case_second_derivative(rank, world):
+    """First-order gradients with create_graph=True, then a second derivative: refused on each rank,
+    locally, after the ring's backward (no rank waits)."""
+    q, k, v, _ = _full_problem((1, 2, 4 * world, 8), (1, 2, 4 * world, 8), 8, torch.float64)
+    local = [cp.shard(t, "zigzag").requires_grad_() for t in (q, k, v)]
+    out = cp.context_parallel_attention(*local, layout="zigzag", causal="top_left")
+    (g,) = torch.autograd.grad(out.square().sum(), local[0], create_graph=True)
+    torch.autograd.grad(g.sum(), local[0])
+
+
 def case_unshard_bad_layout_on_rank_1(rank, world):
     cp.unshard(torch.randn(2, 4, 3), "zigzag" if rank != 1 else "diagonal")
 
@@ -412,6 +422,11 @@ def test_bad_arguments_on_one_rank_fail_every_rank(group):
 def test_a_rank_that_autograd_does_not_record_fails_every_rank(pair):
     for ok, (name, message, _) in pair.outcomes(case_grad_mode_differs):
         assert not ok and name == "ValueError" and "whether autograd records the call" in message
+
+
+def test_a_second_derivative_raises_on_every_rank(pair):
+    for ok, (name, message, _) in pair.outcomes(case_second_derivative):
+        assert not ok and name == "NotImplementedError" and "first-order backward only" in message
 
 
 def test_unshard_errors_reach_every_rank(pair):

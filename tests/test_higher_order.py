@@ -108,18 +108,52 @@ def test_autograd_functional_hessian_equals_reference():
     assert_close(got, torch.autograd.functional.hessian(ref, q), 1e-10, "hessian")
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                   reason="forward-over-reverse: AttentionBackward (the differentiable backward) has no jvp, so "
-                          "torch.func.hessian / jacfwd(jacrev(f)) raise 'You must implement the jvp function'")
 def test_func_hessian_wrt_query_equals_reference():
     q, ours, ref = _hessian_case()
     assert_close(hessian(ours)(q), hessian(ref)(q), 1e-10, "hessian")
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="reverse-over-reverse under torch.func: AttentionBackward.backward calls "
-                          "Tensor.requires_grad_() inside the transform, which functorch forbids "
-                          "(torch.autograd.grad(create_graph=True) works)")
+HESSIAN_CASES = {
+    "plain": {},
+    "causal_bottom_right_window": {"causal": "bottom_right", "window": (1, None)},
+    "softcap_alibi": {"softcap": 1.5, "alibi_slopes": torch.tensor([0.3, 0.7])},
+    "sinks": {"sinks": True},
+    "dropout": {"dropout_p": 0.4},
+}
+
+
+@pytest.mark.parametrize("case", HESSIAN_CASES)
+def test_func_hessian_wrt_every_input_at_once_equals_reference(case):
+    """torch.func.hessian (forward over reverse: the differentiable backward's jvp) of a loss of
+    q, k, v, a float mask and the sinks together, against the reference's autograd Hessian."""
+    kwargs = dict(HESSIAN_CASES[case])
+    q, k, v = (t.detach() for t in tiny(3, 4, 2, 2, batch=(1, 2)))
+    mask = rand(3, 4)
+    sinks = rand(2) if kwargs.pop("sinks", False) else None
+    p = kwargs.pop("dropout_p", 0.0)
+    keep = keep_mask(3, (1, 2, 3, 4), p) if p else None
+    weights = rand(1, 2, 3, 2)
+
+    def ours(q, k, v, mask, *sinks_arg):
+        torch.manual_seed(3)
+        out = attention(q, k, v, attn_mask=mask, sinks=sinks_arg[0] if sinks_arg else None, dropout_p=p, **kwargs)
+        return (out * out * weights).sum()
+
+    def ref(q, k, v, mask, *sinks_arg):
+        out = attention_reference(q, k, v, mask, sinks=sinks_arg[0] if sinks_arg else None, dropout_mask=keep,
+                                  dropout_p=p, **kwargs)[0]
+        return (out * out * weights).sum()
+
+    args = (q, k, v, mask) + ((sinks,) if sinks is not None else ())
+    argnums = tuple(range(len(args)))
+    # (jacfwd(jacrev(f)) is torch.func.hessian; vmap inside jacfwd must be told how to draw dropout)
+    got = jacfwd(jacrev(ours, argnums=argnums), argnums=argnums, randomness="same")(*args)
+    expected = torch.autograd.functional.hessian(ref, args)
+    for i in argnums:
+        for j in argnums:
+            assert_close(got[i][j], expected[i][j], 1e-10, f"{case}: d2/d{i}d{j}")
+
+
 @pytest.mark.parametrize("how", ["grad_of_grad", "jacrev_of_jacrev"])
 def test_func_reverse_over_reverse_equals_reference(how):
     q, ours, ref = _hessian_case()
@@ -131,12 +165,21 @@ def test_func_reverse_over_reverse_equals_reference(how):
     assert_close(got, expected, 1e-10, how)
 
 
-@pytest.mark.xfail(strict=True, reason="forward-over-forward (jacfwd(jacfwd)) through AttentionFunction.jvp does "
-                   "not propagate the inner tangent into the outer level: known limitation, use reverse mode or "
-                   "torch.autograd.functional.hessian for second derivatives")
-def test_forward_over_forward_second_derivative_equals_reference():
-    q, ours, ref = _hessian_case()
-    assert_close(jacfwd(jacfwd(ours))(q), hessian(ref)(q), 1e-10, "jacfwd(jacfwd)")
+@pytest.mark.parametrize("how", ["jacfwd_of_jacfwd", "jvp_of_jvp", "jvp_of_jvp_weights"])
+def test_forward_over_forward_raises_rather_than_dropping_the_second_order_term(how):
+    """torch gives a custom Function's jvp its saved tensors without the outer level's tangent:
+    forward over forward would silently miss a term, so it is refused (the other three orders of
+    composition above are exact)."""
+    q, ours, _ = _hessian_case()
+    t = torch.randn_like(q)
+    with pytest.raises(NotImplementedError, match="nested forward-mode AD"):
+        if how == "jacfwd_of_jacfwd":
+            jacfwd(jacfwd(ours))(q)
+        elif how == "jvp_of_jvp":
+            jvp(lambda y: jvp(ours, (y,), (t,))[1], (q,), (t,))
+        else:
+            k = torch.randn_like(q)
+            jvp(lambda y: jvp(lambda x: attention_weights(x, k).sum(), (y,), (t,))[1], (q,), (t,))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -235,6 +235,31 @@ def test_rows_of_no_sequence_and_sequences_without_keys_or_queries():
     assert torch.all(k.grad[5:] == 0) and torch.all(v.grad[5:] == 0) and v.grad[:5].abs().sum() > 0
 
 
+def test_a_second_derivative_raises_however_it_is_asked_for():
+    """The backward is first order: every way of differentiating it again raises (none silently
+    gives zeros), while first-order gradients taken with create_graph=True still work."""
+    q, k, v, cu_q, cu_k = packed_inputs([5, 3], [6, 4], 2, 1, 8)
+    message = "first-order backward only"
+
+    def loss(q):
+        return varlen_attention(q, k, v, cu_q, cu_k, 5, 6).square().sum()
+
+    def linear_loss(q):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 6).sum()
+
+    leaf = q.clone().requires_grad_()
+    (g,) = torch.autograd.grad(loss(leaf), leaf, create_graph=True)
+    assert torch.equal(g.detach(), torch.autograd.grad(loss(leaf), leaf)[0])
+    with pytest.raises(NotImplementedError, match=message):
+        torch.autograd.grad(g[0, 0, 0], leaf)
+    for f in (loss, linear_loss):
+        with pytest.raises(NotImplementedError, match=message):
+            torch.autograd.functional.hessian(f, q)
+        with pytest.raises(NotImplementedError, match=message):
+            torch.func.grad(lambda q: torch.func.grad(f)(q).sum())(q)
+    assert torch.equal(torch.func.grad(loss)(q), torch.autograd.grad(loss(leaf), leaf)[0])
+
+
 def test_flash_attn_varlen_func_layout_lse_and_probabilities():
     """FlashAttention's signature: (total_q, heads, d) out, lse (heads, total_q), and with
     return_attn_probs the exact probabilities of each sequence, zero-padded; kvpacked/qkvpacked."""

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import _check_causal, _prepare
+from ..function import first_order_backward
 from . import _ring
 from ._layout import LAYOUTS, check_divisible, check_layout, chunks
 from ._ring import Ring, RingGeometry, ring_backward, ring_forward
@@ -158,7 +159,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_backward("context_parallel_attention")
     def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse = ctx.saved_tensors
         if grad_out is None:
