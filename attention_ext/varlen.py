@@ -141,8 +141,10 @@ def _check_packed_tensor(t, name, dims=3):
 
 
 def _check_max_seqlen(value, name):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"attention_ext: {name} must be an int >= 0, got {value!r}")
+    if value < 0:
+        raise ValueError(f"attention_ext: {name} must be an int >= 0, got {value!r}")
     return int(value)
 
 
