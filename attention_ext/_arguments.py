@@ -14,6 +14,7 @@ a call that passes costs about a microsecond per ten rules (decode-sized calls n
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable
 
 import torch
@@ -28,13 +29,17 @@ _CAUSAL_CODE_VALUES = tuple(sorted(set(CAUSAL_CODES.values())))  # (a tuple: old
 Check = Callable[[object, type, Callable[[], str]], None]
 
 
-def flag(value, name: str, prefix: str = PREFIX) -> bool:
-    """A bool argument: Python's bool, or NumPy's (np.True_), returned as Python's; anything else
-    (1, "yes", a tensor) is a TypeError naming the type it got."""
+def flag(value, name: str, prefix: str = PREFIX, integers: bool = False) -> bool:
+    """A bool argument: Python's bool, or NumPy's (np.True_), returned as Python's; with
+    integers=True an int too (FlashAttention's functions: their flags reach torch's dispatcher or
+    pybind11, which take 0 and 1); anything else (1 otherwise, "yes", a tensor) is a TypeError
+    naming the type it got."""
     if isinstance(value, bool):
         return value
     kind = type(value)
     if kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"):
+        return bool(value)
+    if integers and isinstance(value, numbers.Integral):
         return bool(value)
     shown = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
     raise TypeError(f"{prefix}{name} must be a bool, got {shown}")

@@ -451,6 +451,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         result = _lean_forward(query, key, value, 1 if is_causal else 0, scale, enable_gqa)
         if result is not None:
             return result[0]
+    is_causal = flag(is_causal, "is_causal")
     causal = _causal_bias_kind(attn_mask)
     if causal is not None:
         if is_causal:
@@ -458,7 +459,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         _check_causal_bias_size(attn_mask, query, key)
         attn_mask = None
     elif is_causal:
-        is_causal = flag(is_causal, "is_causal")
         if attn_mask is not None:
             raise ValueError("attention_ext: attn_mask must be None when is_causal=True (as in torch)")
         causal = "top_left"

@@ -74,7 +74,7 @@ def _check_layout(q, k, v):
 def _band_from(causal, window_size):
     """FlashAttention's causal / window_size pair as this package's (causal kind, window):
     causal=True is bottom-right causal (window (-1, 0)); -1 leaves a side unbounded."""
-    causal = flag(causal, "causal", "attention_ext.flash: ")
+    causal = flag(causal, "causal", "attention_ext.flash: ", integers=True)
     try:
         left, right = (int(w) for w in window_size)
     except (TypeError, ValueError):
@@ -113,7 +113,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _check_alibi(alibi_slopes, q.shape[0], q.shape[2])
     causal_kind, window = _band_from(causal, window_size)
     softcap = _check_softcap(softcap)
-    deterministic = flag(deterministic, "deterministic", "attention_ext.flash: ")
+    deterministic = flag(deterministic, "deterministic", "attention_ext.flash: ", integers=True)
     gqa = q.shape[2] != k.shape[2]
     # (batch, seqlen, heads, dim) -> (batch, heads, seqlen, dim): views; the kernels take strides.
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
@@ -173,7 +173,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                   "flash_attn_varlen_func yet; pass contiguous packed k and v")
     causal_kind, window = _band_from(causal, window_size)
     softcap = _check_softcap(softcap)
-    deterministic = flag(deterministic, "deterministic", "attention_ext.flash: ")
+    deterministic = flag(deterministic, "deterministic", "attention_ext.flash: ", integers=True)
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 scale=softmax_scale, causal=causal_kind is not None, window=window, softcap=softcap,
                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=True)

@@ -143,8 +143,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     softcap = _check_softcap(softcap)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         _fail(TypeError, f"num_splits must be an int >= 0, got {num_splits!r}")
-    rotary_interleaved = _arguments.flag(rotary_interleaved, "rotary_interleaved", _PREFIX)
-    return_softmax_lse = _arguments.flag(return_softmax_lse, "return_softmax_lse", _PREFIX)
+    rotary_interleaved = _arguments.flag(rotary_interleaved, "rotary_interleaved", _PREFIX, integers=True)
+    return_softmax_lse = _arguments.flag(return_softmax_lse, "return_softmax_lse", _PREFIX, integers=True)
 
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \

@@ -142,6 +142,9 @@ def test_numpy_bools_are_bools_and_other_types_are_named():
     assert torch.equal(sdpa(q, q, q, is_causal=np.True_), sdpa(q, q, q, is_causal=True))
     with pytest.raises(TypeError, match=r"is_causal must be a bool, got numpy.int64"):
         sdpa(q, q, q, is_causal=np.int64(1))
+    for value in (0, 1):  # torch refuses ints here too, 0 as well as 1
+        with pytest.raises(TypeError, match=r"is_causal must be a bool, got int"):
+            sdpa(q, q, q, is_causal=value)
 
 
 def test_gqa_slopes_must_name_every_query_head():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import attention_ext
-from attention_ext import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from attention_ext import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func
 from conftest import gradcheck, gradgradcheck
 
 # (rtol, atol) of each dtype against the float64 reference.
@@ -200,12 +200,23 @@ def test_compiles_fullgraph():
     ({"softcap": "big"}, TypeError, r"softcap must be a float"),
     ({"alibi_slopes": torch.ones(3)}, TypeError, r"alibi_slopes must be float32 of shape \(2,\) or \(1, 2\)"),
     ({"alibi_slopes": torch.ones(2, dtype=torch.float64)}, TypeError, r"alibi_slopes must be float32 .* got torch.float64"),
-    ({"causal": 1}, TypeError, r"causal must be a bool"),
+    ({"causal": "yes"}, TypeError, r"causal must be a bool, got str"),
+    ({"deterministic": 1.0}, TypeError, r"deterministic must be a bool, got float"),
 ])
 def test_arguments_not_supported_yet_raise_instead_of_being_ignored(kwargs, error, match):
     q, k, v = make(1, 4, 4, 2, 2, 8, torch.float32)
     with pytest.raises(error, match=match):
         flash_attn_func(q, k, v, **kwargs)
+
+
+def test_int_flags_act_as_bools_as_flash_attentions_do():
+    """FlashAttention's flags reach torch's dispatcher (or pybind11), which take 0 and 1."""
+    q, k, v = make(1, 6, 9, 2, 2, 8, torch.float32)
+    assert torch.equal(flash_attn_func(q, k, v, causal=1, deterministic=0), flash_attn_func(q, k, v, causal=True))
+    assert torch.equal(flash_attn_func(q, k, v, causal=0), flash_attn_func(q, k, v))
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    assert torch.equal(flash_attn_varlen_func(q[0], k[0, :6], v[0, :6], cu, cu, 6, 6, causal=1),
+                       flash_attn_varlen_func(q[0], k[0, :6], v[0, :6], cu, cu, 6, 6, causal=True))
 
 
 def test_bad_layouts_are_named():
