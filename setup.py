@@ -102,7 +102,9 @@ def extensions():
         ]
     if want_cuda():
         cuda_sources = _build.sources("cuda", ROOT)
-        archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        # The default is set for torch's CUDAExtension too (it would otherwise pick the visible
+        # GPU's or every architecture it knows); +PTX runs on GPUs newer than sm_90 by JIT.
+        archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
         define_macros += [("ATTENTION_EXT_WITH_CUDA", None), ("ATTENTION_EXT_CUDA_ARCHS", '"%s"' % archs)]
         nvcc_flags = description["nvccflags"] + ["--threads", os.environ.get("NVCC_THREADS", "4")]
         return [

@@ -2,7 +2,9 @@
 # Compile-checks the CUDA sources without a GPU: every csrc/cuda/*.cu standalone with the machine's
 # nvcc for sm_80 and sm_90 (the flags setup.py passes, plus the two archs), in parallel, and a
 # g++ -fsyntax-only pass over the torch-facing csrc/cuda/*.cpp when the installed torch ships its
-# CUDA headers. Fails on any error; prints one line per file and a summary.
+# CUDA headers. Fails on any error, and if the PTX holds tanh.approx (the build's --use_fast_math
+# turns tanhf into it: the softcap must go through attention_semantics.h's tanh_acc); prints one
+# line per file and a summary.
 #
 #   .ci/compile_cuda.sh            # jobs = number of cores
 #   JOBS=2 NVCC=/path/nvcc .ci/compile_cuda.sh
@@ -30,8 +32,14 @@ compile_one() {  # $1 = source; prints "ok|FAIL  file  seconds"
   name=$(basename "$src" .cu)
   log="$OUTDIR/$name.log"
   t0=$(date +%s.%N)
-  "$NVCC" "${NVCC_FLAGS[@]}" -c -o "$OUTDIR/$name.o" "$src" >"$log" 2>&1
+  mkdir -p "$OUTDIR/$name.keep"
+  "$NVCC" "${NVCC_FLAGS[@]}" --keep --keep-dir "$OUTDIR/$name.keep" -c -o "$OUTDIR/$name.o" "$src" >"$log" 2>&1
   rc=$?
+  if [ $rc -eq 0 ] && grep -q 'tanh\.approx' "$OUTDIR/$name.keep"/*.ptx; then
+    echo "the PTX uses tanh.approx (an approximate tanh): $(grep -c 'tanh\.approx' "$OUTDIR/$name.keep"/*.ptx | tr '\n' ' ')" >>"$log"
+    rc=1
+  fi
+  rm -rf "$OUTDIR/$name.keep"
   t1=$(date +%s.%N)
   if [ $rc -eq 0 ]; then
     printf 'ok    %-32s %6.1fs\n' "$src" "$(echo "$t1 - $t0" | bc)"

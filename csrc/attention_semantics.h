@@ -61,7 +61,23 @@ ATTN_HD inline A scaled_logit(A score, A scale_log2) {
   return score * scale_log2;
 }
 
-ATTN_HD inline float tanh_acc(float x) { return tanhf(x); }
+// tanh in float, one formula on the host and the GPU: sign(u)·(1 − e)/(1 + e) with
+// e = 2^(−2|u|·log2 e), and below |u| = 0.25, where 1 − e would cancel, the odd Taylor series to u⁹
+// (cpu/vector_math.inc's tanh_vec is the same a vector at a time): a few ulps. Not tanhf: nvcc's
+// --use_fast_math (which the CUDA build uses for exp2 and the divisions) compiles tanhf to
+// tanh.approx.f32, a hardware approximation far coarser than float. NaN stays NaN; ±inf gives ±1.
+ATTN_HD inline float tanh_acc(float u) {
+  const float a = fabsf(u);
+  float t;
+  if (a < 0.25f) {
+    const float u2 = a * a;
+    t = (((((62.0f / 2835.0f) * u2 - 17.0f / 315.0f) * u2 + 2.0f / 15.0f) * u2 - 1.0f / 3.0f) * u2 + 1.0f) * a;
+  } else {
+    const float e = exp2f(a * -2.8853900817779268f);
+    t = (1.0f - e) / (1.0f + e);
+  }
+  return u != u ? u : copysignf(t, u);
+}
 ATTN_HD inline double tanh_acc(double x) { return tanh(x); }
 
 // Logit softcapping (softcap·tanh(t / softcap) on the natural-unit logit t) in log2 units: with

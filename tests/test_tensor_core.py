@@ -131,6 +131,25 @@ def test_ineligible_calls_take_the_simt_kernel(layout, monkeypatch):
     _check_against_reference(o_default, l_default, q, k, v, dtype)
 
 
+def test_fp16_dropout_beyond_fp16s_range_takes_the_simt_kernel(monkeypatch):
+    """The tensor-core kernels round P·1/(1 − p) to fp16 for the P·V product: past 1/(1 − p) =
+    65504 a kept weight near 1 would round to inf. Such calls take the SIMT kernel (P in float):
+    rows with a single key whose entry is kept give out = v/(1 − p), finite, as the reference."""
+    torch.manual_seed(4)
+    dtype, d, n = torch.float16, 64, 256
+    p = 1.0 - 1.0 / 66000.0
+    shape = (1, 1, n, 1)
+    states = (torch.tensor([seed, 0], dtype=torch.int64, device=DEVICE) for seed in range(100000))
+    rng = next(r for r in states if attention_ext.dropout_mask(r, shape, p).any())  # a stream keeping some
+    q, k = _randn(1, 1, n, d, dtype=dtype), _randn(1, 1, 1, d, dtype=dtype)
+    v = (_randn(1, 1, 1, d, dtype=torch.float64) * 1e-3).to(dtype)
+    o_default, l_default = _forward(q, k, v, p=p, rng=rng, simt=False, monkeypatch=monkeypatch)
+    o_s, l_s = _forward(q, k, v, p=p, rng=rng, simt=True, monkeypatch=monkeypatch)
+    assert torch.equal(o_default, o_s) and torch.equal(l_default, l_s)
+    assert torch.isfinite(o_default).all() and o_default.abs().max().item() > 1.0
+    _check_against_reference(o_default, l_default, q, k, v, dtype, p=p, rng=rng)
+
+
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_extreme_and_nan_rows(dtype, monkeypatch):
     """Large logits stay finite and exact (online-softmax rescaling); a NaN in a row's scores gives

@@ -10,8 +10,10 @@ namespace simt {
 // Softmax shift of each row (AttentionParams::shift_hi / shift_lo) by the rules of
 // attention_semantics.h, as the CPU's row_shift: lse·log2(e) in two words, except for rows that
 // needs_exact_shift, where the row max and log2(sum) are recomputed from S in two passes over the
-// visible keys. The forward's scores come from the same tile_logits, so only the lse's own
-// rounding is at stake (forward_scores_differ = false). item = (batch index, query tile); the
+// visible keys. forward_scores_differ = false: for fp32/fp64 the forward's scores came from the
+// same tile_logits, so only the lse's own rounding is at stake; fp16/bf16 forwards may have run on
+// the tensor cores (mma summation order), but for 16-bit storage the flag changes nothing (the
+// output's own rounding dwarfs the difference). item = (batch index, query tile); the
 // recomputation runs only for tiles with such a row (a CTA-uniform decision, since tile_dot
 // synchronises the CTA).
 template <typename A>

@@ -110,22 +110,38 @@ inline bool rows_are_aligned_chunks(const AttentionParams& p, const TensorRef& t
   return true;
 }
 
+// An empty kernel compiled with this file's flags: its attributes on the current device say which
+// PTX architecture the device code comes from.
+static __global__ void tc_arch_probe() {}
+
 // Calls the tensor-core kernels take: fp16/bf16, d_k == d_v == 64 or 128, Q/K/V rows of aligned
-// chunks, a device of compute capability >= 8.0, and ATTENTION_EXT_CUDA_SIMT not set to 1 (which
-// forces the SIMT kernels, for testing and comparison).
+// chunks, ATTENTION_EXT_CUDA_SIMT not set to 1 (which forces the SIMT kernels, for testing and
+// comparison), and
+//  * fp16 dropout keeping P·1/(1 − p) finite: the kernels round the scaled P to fp16 for the
+//    P·V product, so 1/(1 − p) must stay within fp16's largest finite 65504 (the SIMT kernels keep
+//    P in float);
+//  * a device of compute capability >= 8.0 running code from PTX for sm_80 or later: a build
+//    for an older architecture (TORCH_CUDA_ARCH_LIST="7.5+PTX", JIT-compiled on an sm_90 GPU)
+//    has the tensor-core instructions compiled to a trap (warp_mma.cuh).
 inline bool eligible(const AttentionParams& p) {
   if (!((p.dtype == ScalarType::kFloat16 || p.dtype == ScalarType::kBFloat16) && p.dk == p.dv &&
         (p.dk == 64 || p.dk == 128)))
     return false;
   if (!rows_are_aligned_chunks(p, p.q) || !rows_are_aligned_chunks(p, p.k) || !rows_are_aligned_chunks(p, p.v))
     return false;
+  if (p.dtype == ScalarType::kFloat16 && p.dropout_p > 0.0 && 1.0 / (1.0 - p.dropout_p) > 65504.0) return false;
   const char* force_simt = std::getenv("ATTENTION_EXT_CUDA_SIMT");
   if (force_simt != nullptr && force_simt[0] == '1') return false;
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 8)
     return false;
-  return major >= 8;
+  cudaFuncAttributes attributes;
+  if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&tc_arch_probe)) != cudaSuccess) {
+    cudaGetLastError();  // (not left for the next launch's check to find)
+    return false;
+  }
+  return attributes.ptxVersion >= 80;
 }
 
 }  // namespace tc

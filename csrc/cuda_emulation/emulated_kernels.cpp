@@ -31,6 +31,13 @@ cudaError_t CUDARTAPI cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, in
   else return cudaErrorInvalidValue;
   return cudaSuccess;
 }
+// Every emulated kernel is "compiled" for that device.
+cudaError_t CUDARTAPI cudaFuncGetAttributes(cudaFuncAttributes* attributes, const void*) {
+  *attributes = cudaFuncAttributes{};
+  attributes->ptxVersion = 90;
+  attributes->binaryVersion = 90;
+  return cudaSuccess;
+}
 const char* CUDARTAPI cudaGetErrorString(cudaError_t) { return "cuda emulation error"; }
 }
 #endif
