@@ -10,6 +10,7 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+import warnings
 
 import torch
 
@@ -20,8 +21,12 @@ SOURCE_DIR = os.path.join(ROOT_DIR, "csrc")
 _loaded_from = None
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
 def jit_requested() -> bool:
-    return os.environ.get("ATTENTION_EXT_JIT", "0").lower() in ("1", "true", "yes", "on")
+    return _env_flag("ATTENTION_EXT_JIT")
 
 
 def build_description(root: str = ROOT_DIR) -> dict:
@@ -87,7 +92,7 @@ def load_extension() -> str:
     if _loaded_from is not None:
         return _loaded_from
     if jit_requested():
-        _loaded_from = "jit:" + build_jit(verbose=os.environ.get("ATTENTION_EXT_JIT_VERBOSE") == "1")
+        _loaded_from = "jit:" + build_jit(verbose=_env_flag("ATTENTION_EXT_JIT_VERBOSE"))
         return _loaded_from
     ops_dir = compiled_ops_dir()
     built = _built_torch_version(ops_dir)
@@ -158,10 +163,27 @@ def source_digest(csrc_dir: str) -> str:
     return h.hexdigest()
 
 
+def stale_build(directory: str = PACKAGE_DIR) -> bool:
+    """Whether the compiled ops in a checkout were built from other sources than its csrc/ (a
+    kernel edited since the last build). False for an installed package (no csrc/ beside it)."""
+    recorded = _build_config(directory).get("CSRC_DIGEST")
+    return os.path.isdir(SOURCE_DIR) and recorded is not None and recorded != source_digest(SOURCE_DIR)
+
+
+def _warn_if_stale(directory: str) -> None:
+    if stale_build(directory):
+        warnings.warn(
+            f"attention_ext: the compiled ops in {directory} were built from other sources than "
+            f"{SOURCE_DIR} (edited since the last build), and they are what runs. Rebuild: pip install "
+            f"--no-build-isolation -e {ROOT_DIR} (or python setup.py build_ext --inplace), or set "
+            "ATTENTION_EXT_JIT=1 to compile csrc/ on import.", RuntimeWarning, stacklevel=4)
+
+
 def compiled_ops_dir() -> str:
     """The directory holding _C: this package's own, or the installed copy's (see above). Raises an
     ImportError that says which case it is and the ways out when there is none."""
     if _find_compiled_ops(PACKAGE_DIR):
+        _warn_if_stale(PACKAGE_DIR)
         return PACKAGE_DIR
     checkout = os.path.dirname(PACKAGE_DIR)
     if not os.path.isdir(SOURCE_DIR):

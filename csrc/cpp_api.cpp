@@ -1,8 +1,8 @@
 // The typed C++ API of include/attention_ext/attention_ext.h: argument defaults and the same
 // normalisation as the Python package (attention_ext/api.py), then the registered ops through the
 // c10 dispatcher, so C++ callers get the same kernels, checks and device dispatch as Python.
-// Compiled into the CMake library and (via setup.py's csrc/*.cpp glob) into the Python
-// extension as well, so it uses ATen and the dispatcher only (no <torch/torch.h>).
+// Compiled into the CMake library and (csrc/build_sources.txt lists it for setup.py too) into the
+// Python extension as well, so it uses ATen and the dispatcher only (no <torch/torch.h>).
 #ifndef ATTENTION_EXT_BUILDING_LIBRARY
 #define ATTENTION_EXT_BUILDING_LIBRARY 1  // (Windows: dllexport) also in the setup.py build
 #endif

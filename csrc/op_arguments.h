@@ -37,7 +37,8 @@ AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, 
                                       const LogitOptions& logit, double dropout_p,
                                       const std::optional<at::Tensor>& rng_state);
 
-// Fills sizes, dtype, q/k/v/mask views, scale, causal, window and dropout fields.
+// Fills sizes, dtype, q/k/v/mask views, scale, causal, window, softcap, ALiBi slopes, sinks and
+// dropout fields.
 AttentionParams make_params(const AttentionShape& shape, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
                             double scale, const LogitOptions& logit, double dropout_p,

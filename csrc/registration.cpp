@@ -1,6 +1,6 @@
 // The one place every op of the library is declared. Implementations register per device
 // (cpu/attention_cpu.cpp, cuda/attention_cuda.cpp); autograd and fake (meta) kernels are
-// registered from Python (attention_ext/_ops.py, attention_ext/function.py).
+// registered from Python (attention_ext/_ops.py, function.py, varlen.py, kv_cache.py).
 //
 // causal: 0 = none, 1 = top-left (torch's is_causal), 2 = bottom-right (FlashAttention).
 // window_left / window_right: FlashAttention's sliding window, key j visible to query i iff

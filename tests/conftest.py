@@ -15,6 +15,7 @@ from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attention_ext
+from attention_ext import _build
 from attention_ext.reference import attention_reference
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -28,7 +29,10 @@ def pytest_report_header(config):
     info = attention_ext.build_info()
     return [f"attention_ext: cpu variant {info['cpu_variant']} (supported: {info['cpu_variants_supported']}), "
             f"cuda={info['cuda']}, cuda_emulation={info.get('cuda_emulation')}, torch {torch.__version__}, "
-            f"threads {torch.get_num_threads()}"]
+            f"threads {torch.get_num_threads()}",
+            f"attention_ext: ops from {info['loaded_from']}"
+            + (" (STALE: built from other sources than csrc/)" if _build.stale_build() and
+               info["loaded_from"].startswith("prebuilt:") else "")]
 
 
 # A build whose CPU ops run the CUDA kernels on host threads (.ci/cuda_emulation.sh).

@@ -1,6 +1,6 @@
 """Finite differences on every CPU kernel path, at sizes that cross tile boundaries.
 
-The CPU ops pick among several kernels (csrc/cpu/attention_cpu.cpp):
+The CPU ops pick among several kernels (csrc/cpu/kernel_passes.cpp):
   * forward, tiled: work items of kBlockM = 64 query rows, inner tiles of kBlockN = 64 keys
     (csrc/cpu/kernel_table.h), with the online softmax rescaling across key tiles;
   * forward, decode: at most kDecodeRows = 8 query rows, K/V rows read in place;

@@ -69,6 +69,31 @@ def test_same_release_with_another_local_tag_still_loads():
     assert "ok (2, 3, 4)" in result.stdout, result.stdout + result.stderr
 
 
+@pytest.mark.skipif(not os.path.isdir(attention_ext._build.SOURCE_DIR)
+                    or attention_ext._build._find_compiled_ops(attention_ext._build.PACKAGE_DIR) is None,
+                    reason="needs a checkout with an in-place build")
+@pytest.mark.parametrize("digest", ["current", "other"])
+def test_an_in_place_build_from_other_sources_warns_on_import(digest):
+    """Editing a kernel and forgetting to rebuild would test the old kernel: the import says so."""
+    import torch
+    recorded = attention_ext._build.source_digest(attention_ext._build.SOURCE_DIR) if digest == "current" else "0" * 64
+    result = run_python(f"""
+        import sys, types, warnings
+        fake = types.ModuleType("attention_ext._build_config")
+        fake.TORCH_VERSION, fake.CSRC_DIGEST = {torch.__version__!r}, {recorded!r}
+        sys.modules["attention_ext._build_config"] = fake
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import attention_ext
+        print("WARNINGS:", [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)])
+    """)
+    assert "WARNINGS:" in result.stdout, result.stdout + result.stderr
+    stale = "built from other sources than" in result.stdout
+    assert stale == (digest == "other"), result.stdout
+    if stale:
+        assert "pip install --no-build-isolation -e" in result.stdout and "ATTENTION_EXT_JIT=1" in result.stdout
+
+
 def test_jit_mode_without_source_tree_explains_itself(tmp_path):
     # JIT builds from csrc/; a package without it (an installed wheel) must say so, not crash.
     result = run_python("""

@@ -4,8 +4,8 @@
 //   #include "../isa_begin.h"
 //   #include "../forward_kernels.inc"       (or backward_kernels.inc)
 //   #include "../isa_end.h"
-// (csrc/cpu/variants/<isa>_<stage>.cpp), so touching one stage recompiles that stage's four
-// variants and nothing else. (The avx512bf16 variant differs from avx512 in the forward only; its
+// (csrc/cpu/variants/<isa>_<stage>.cpp), so touching one stage recompiles that stage's variants
+// (four forward, three backward) and nothing else. (The avx512bf16 variant differs from avx512 in the forward only; its
 // table takes avx512's backward.) This header includes what the kernels need, then sets the target
 // ISA (#pragma GCC target), the vector width ATTN_VEC_BYTES (64 AVX-512, 32 AVX2, 16 SSE2/NEON)
 // and the namespace attention_ext::cpu::<isa>. Everything a stage defines is static or in that

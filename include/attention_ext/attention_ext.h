@@ -9,7 +9,9 @@
 // registered from Python): call attention_backward() yourself, or use the Python package for
 // autograd. Shapes: q (..., n, d_k), k (..., m, d_k), v (..., m, d_v) -> out (..., n, d_v);
 // leading dims broadcast like torch. See the README's "Semantics" table for masks, causal kinds,
-// fully masked rows (output 0, lse -inf) and dropout.
+// fully masked rows (output 0, lse -inf) and dropout. Not here yet: softcap, ALiBi slopes and
+// sinks (the ops take them: call attention_ext::attention_fwd through the dispatcher, its schema
+// is in csrc/registration.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -97,7 +99,7 @@ ATTENTION_EXT_API at::Tensor attention_weights(const at::Tensor& q, const at::Te
 
 // "key=value" lines: torch version built against, compiler, OpenMP, CPU kernel variants, CUDA.
 ATTENTION_EXT_API std::string build_info();
-// The CPU kernel variant in use ("avx512", "avx2" or "generic").
+// The CPU kernel variant in use ("avx512bf16", "avx512", "avx2" or "generic").
 ATTENTION_EXT_API std::string cpu_variant();
 // Selects the CPU kernel variant ("auto" = the best this CPU supports); returns the active one.
 ATTENTION_EXT_API std::string set_cpu_variant(const std::string& name);
