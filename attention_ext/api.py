@@ -71,9 +71,13 @@ def _broadcast_batch(query, key, value):
     try:
         return _broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
     except RuntimeError:
+        hint = ""
+        if query.dim() >= 3 and key.dim() >= 3 and query.shape[:-3] == key.shape[:-3] \
+                and key.shape[-3] > 0 and query.shape[-3] % key.shape[-3] == 0:
+            hint = " (fewer key/value heads than query heads: pass enable_gqa=True for grouped-query attention)"
         raise ValueError(
             f"attention_ext: the batch dims of query {tuple(query.shape)}, key {tuple(key.shape)} and value "
-            f"{tuple(value.shape)} do not broadcast") from None
+            f"{tuple(value.shape)} do not broadcast{hint}") from None
 
 
 def _default_scale(head_dim: int) -> float:

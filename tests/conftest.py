@@ -211,7 +211,9 @@ def low_precision_budget(fn_args, dtype, ref):
 
 
 def assert_close_to_reference(actual, expected, dtype, budget=None, k=2.0, what="output"):
-    """actual vs float64 `expected`: within ATOL[dtype] or k * budget (plain torch's own error)."""
+    """actual vs float64 `expected` (the same shape): within ATOL[dtype] or k * budget (plain
+    torch's own error)."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
     tol = ATOL[dtype]
     if budget is not None and dtype in (torch.float16, torch.bfloat16):
@@ -222,13 +224,37 @@ def assert_close_to_reference(actual, expected, dtype, budget=None, k=2.0, what=
 def assert_grads_close_to_reference(got, want, low, dtype, names=("dq", "dk", "dv")):
     """Gradients vs the float64 reference `want`: within 4x the dtype's absolute tolerance (scaled
     by the gradient's size) or, for fp16/bf16, 4x the error plain torch makes in that dtype (`low`,
-    the reference's gradients computed in it)."""
+    the reference's gradients computed in it). Every gradient named, each of its reference's shape."""
+    assert len(got) == len(want) == len(low) == len(names), \
+        f"{len(got)} gradients, {len(want)} references, {len(low)} low-precision ones for {names}"
     for name, g, w, lo in zip(names, got, want, low):
+        assert g.shape == w.shape, f"{name}: shape {tuple(g.shape)} != {tuple(w.shape)}"
         scale = max(1.0, w.abs().max().item())
         budget = (lo.double() - w).abs().max().item()
         err = (g.double() - w).abs().max().item()
         tol = max(ATOL[dtype] * 4 * scale, 4 * budget if dtype in (torch.float16, torch.bfloat16) else 0.0)
         assert err <= tol, f"{name}: max abs error {err:.3e} > {tol:.3e}"
+
+
+def assert_lse_close(lse, ref_lse, dtype):
+    """The lse is accumulated in float64 for float64 inputs and in float32 for every other storage
+    dtype, from the stored inputs themselves, so its error is the accumulation's: float64 to 1e-9,
+    else 2e-5 relative (fp32 sums over up to a few hundred terms), whatever the storage precision.
+    The same shape; rows of -inf (no key seen) must be -inf in both."""
+    assert lse.shape == ref_lse.shape, f"lse: shape {tuple(lse.shape)} != {tuple(ref_lse.shape)}"
+    hidden = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), hidden), "lse: -inf rows differ from the reference's"
+    lse, ref_lse = lse[~hidden], ref_lse[~hidden]
+    if lse.numel() == 0:
+        return
+    err = (lse.double() - ref_lse).abs()
+    if dtype == torch.float64:
+        tol = torch.full_like(err, 1e-9)
+    else:
+        tol = 2e-5 * ref_lse.abs().clamp(min=1.0)
+    worst = (err - tol).argmax()
+    assert (err <= tol).all(), (f"lse: error {err.flatten()[worst]:.3e} > tolerance "
+                                f"{tol.flatten()[worst]:.3e} at lse {ref_lse.flatten()[worst]:.4f} ({dtype})")
 
 
 @pytest.fixture(autouse=True)

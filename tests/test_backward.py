@@ -40,7 +40,8 @@ def test_gradients_match_reference(shape, causal, dtype, cpu_variant):
         assert g.shape == t.shape and g.dtype == dtype
         w = torch.nan_to_num(w)  # reference NaN only on rows the library defines as 0
         err = (g.double() - w).abs().max().item()
-        assert err <= ATOL[dtype] * 20, f"d{name}: {err:.3e}"
+        tol = ATOL[dtype] * 4 * max(1.0, w.abs().max().item() if w.numel() else 0.0)
+        assert err <= tol, f"d{name}: {err:.3e} > {tol:.3e}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -420,9 +420,9 @@ def test_empty_sizes():
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a second device type (the emulation build's kernels take CPU tensors)")
 def test_ops_validate_device():
     q = torch.randn(4, 8, device=DEVICE)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"query, key and value must be on the same device"):
         ops.attention_fwd(q, torch.randn(4, 8), torch.randn(4, 8, device=DEVICE), None, 1.0, 0, -1, -1, 0.0, None, None, 0.0, None)
-    with pytest.raises(RuntimeError):  # dropout needs rng_state on the inputs' device
+    with pytest.raises(RuntimeError, match=r"rng_state must be on"):  # on the inputs' device
         ops.attention_fwd(q, q, q, None, 1.0, 0, -1, -1, 0.0, None, None, 0.5, torch.tensor([1, 2]))
 
 

@@ -100,7 +100,7 @@ def test_dropout_mask_rejects_bad_arguments():
     state = draw_rng_state()
     with pytest.raises(ValueError, match="dropout_p"):
         dropout_mask(state, (1, 4, 4), 1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"dropout_mask shape must be \(\*batch, n, m\), got \(4,\)"):
         dropout_mask(state, (4,), 0.5)
     with pytest.raises(TypeError, match="rng_state"):
         dropout_mask(state.to(torch.int32), (1, 4, 4), 0.5)

@@ -152,13 +152,14 @@ def test_key_and_value_head_mismatch_raises_value_error():
 
 def test_gqa_needs_a_heads_dim():
     q, k, v = rand(N, D), rand(M, D), rand(M, DV)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"enable_gqa=True needs \(\.\.\., heads, length, dim\) inputs"):
         scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
 def test_head_mismatch_without_enable_gqa_raises_value_error():
     q, k, v = gqa_inputs(requires_grad=False)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"do not broadcast \(fewer key/value heads than query heads: pass "
+                                         r"enable_gqa=True"):
         scaled_dot_product_attention(q, k, v)
 
 

@@ -188,7 +188,10 @@ def check(result, dtype):
     assert_close_to_reference(out, want, dtype)
     hidden = torch.isneginf(result["want_lse"])
     assert torch.equal(torch.isneginf(result["lse"]), hidden)
-    torch.testing.assert_close(result["lse"][~hidden].double(), result["want_lse"][~hidden], rtol=1e-4, atol=1e-4)
+    # (1e-4 below float64: the call rounds the rotated q to the storage dtype, the reference does not)
+    lse_tol = 1e-9 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(result["lse"][~hidden].double(), result["want_lse"][~hidden], rtol=lse_tol,
+                               atol=lse_tol)
     cache = result["cache"]
     untouched = torch.ones(cache.k.shape[:2], dtype=torch.bool)
     for row, start, new in result["written"]:

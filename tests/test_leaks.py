@@ -2,12 +2,17 @@
 that fail validation (the C++ exception path) — no buffer, saved tensor, autograd graph or
 Python object outlives its call.
 
-Resident memory is read from /proc/self/statm after a warm-up (allocator arenas, OpenMP
-threads and torch's caches settle first). The shapes are chosen so that leaking any one tensor
-per call would grow the process by far more than the allowed slack.
+Two measures, after a warm-up (allocator arenas, OpenMP threads and torch's caches settle
+first): the bytes glibc's malloc has handed out and not got back (mallinfo2: exact to the byte,
+where tensors' storage and the C++ side's buffers come from), which may grow by at most
+HEAP_SLACK_BYTES over the run — any tensor or buffer kept per call, even a 640-byte lse, grows it
+by megabytes (measured: a run of flat calls moved it by 0-1.5 KiB) — and resident memory from
+/proc/self/statm, which catches memory mapped outside malloc.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import os
 
@@ -22,6 +27,7 @@ from conftest import SANITIZED
 CALLS = 10_000
 WARMUP = 500
 SLACK_MIB = 20
+HEAP_SLACK_BYTES = 256 * 1024  # over CALLS calls: 26 bytes a call
 
 pytestmark = [
     pytest.mark.slow_on_emulation,
@@ -40,6 +46,39 @@ def rss_mib():
         return int(f.read().split()[1]) * PAGE / 2 ** 20
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2  # glibc >= 2.33
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap_bytes():
+    """Bytes malloc has handed out and not got back (small chunks and mmapped ones), or None
+    without glibc's mallinfo2."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return info.uordblks + info.hblkhd
+
+
+def assert_heap_flat(before, what):
+    after = heap_bytes()
+    if before is not None and after is not None:
+        assert after - before < HEAP_SLACK_BYTES, f"malloc'd memory grew by {after - before} bytes over {what}"
+
+
 def settle():
     gc.collect()
     gc.collect()
@@ -51,7 +90,8 @@ def _inputs(seed):
     def r(*shape, dtype=torch.float32):
         return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
 
-    # (2, 2, 40, 32) float32 = 20 KiB a tensor: one leaked tensor a call is 195 MiB over the run.
+    # (2, 2, 40, 32) float32 = 20 KiB a tensor: one leaked tensor a call is ~49 MiB of resident
+    # memory over the run's 2,500 calls of its config; smaller ones show in heap_bytes().
     return [
         dict(q=r(2, 2, 40, 32), k=r(2, 2, 70, 32), v=r(2, 2, 70, 32), mask=r(2, 40, 70), causal="bottom_right"),
         dict(q=r(2, 4, 40, 32, dtype=torch.bfloat16), k=r(2, 2, 40, 32, dtype=torch.bfloat16),
@@ -78,16 +118,17 @@ def one_call(cfg, i):
                                         enable_gqa=cfg.get("gqa", False))
 
 
-def test_10000_forward_and_backward_calls_keep_resident_memory_flat():
+def test_10000_forward_and_backward_calls_keep_memory_flat():
     cfgs = _inputs(0)
     for i in range(WARMUP):
         one_call(cfgs[i % len(cfgs)], i)
     settle()
     objects = len(gc.get_objects())
-    before = rss_mib()
+    before, heap_before = rss_mib(), heap_bytes()
     for i in range(CALLS):
         one_call(cfgs[i % len(cfgs)], i)
     settle()
+    assert_heap_flat(heap_before, f"{CALLS} forward+backward calls")
     growth = rss_mib() - before
     assert growth < SLACK_MIB, f"resident memory grew by {growth:.1f} MiB over {CALLS} forward+backward calls"
     # No Python objects (autograd graphs, saved tensors, contexts) pile up either.
@@ -113,7 +154,7 @@ def _failing_calls():
     ]
 
 
-def test_10000_calls_that_raise_keep_resident_memory_flat():
+def test_10000_calls_that_raise_keep_memory_flat():
     calls = _failing_calls()
 
     def run(n):
@@ -123,9 +164,10 @@ def test_10000_calls_that_raise_keep_resident_memory_flat():
 
     run(WARMUP)
     settle()
-    before = rss_mib()
+    before, heap_before = rss_mib(), heap_bytes()
     run(CALLS)
     settle()
+    assert_heap_flat(heap_before, f"{CALLS} failing calls")
     growth = rss_mib() - before
     # Each failing call builds an error message and a traceback of a few hundred bytes or more:
     # a leak of one would show as several MiB over the run.

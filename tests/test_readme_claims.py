@@ -579,7 +579,7 @@ def test_torch_sdpa_returns_the_output_only():
         "scale=None, enable_gqa=False) -> Tensor")
     q, k, v = qkv()
     assert type(F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)) is torch.Tensor
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"need_weights"):
         F.scaled_dot_product_attention(q, k, v, need_weights=True)
 
 
