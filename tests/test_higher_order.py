@@ -102,6 +102,23 @@ def _hessian_case():
     return q, ours, ref
 
 
+def test_third_derivative_equals_reference():
+    """create_graph=True three times: the composite backward is itself differentiable."""
+    q, k, v = (t.detach() for t in tiny(3, 4, 2, 2, batch=(2,)))
+    mask = rand(3, 4)
+
+    def third(fn):
+        leaf = q.clone().requires_grad_()
+        (g,) = torch.autograd.grad(fn(leaf).pow(2).sum(), leaf, create_graph=True)
+        (h,) = torch.autograd.grad((g * g).sum(), leaf, create_graph=True)
+        return torch.autograd.grad(h.sin().sum(), leaf)[0]
+
+    got = third(lambda x: attention(x, k, v, attn_mask=mask, causal="bottom_right"))
+    expected = third(lambda x: attention_reference(x, k, v, mask, causal="bottom_right")[0])
+    assert expected.abs().max() > 1e-3
+    assert_close(got, expected, 1e-10, "third derivative")
+
+
 def test_autograd_functional_hessian_equals_reference():
     q, ours, ref = _hessian_case()
     got = torch.autograd.functional.hessian(ours, q)
