@@ -9,7 +9,7 @@ Beyond first order the library composes torch ops, at O(batch · n · m) memory:
   * double backward (`AttentionBackward.backward`) differentiates `attention_backward_composite`,
     the same Jacobian formula written in torch ops; cost ≈ a naive attention forward + backward.
   * forward-mode AD (`AttentionFunction.jvp`) uses the exact weights from `attention_probs`
-    (through `AttentionWeightsFunction`, whose own jvp makes forward-over-forward work):
+    (through `AttentionWeightsFunction`, whose backward makes reverse over forward work):
     out_t = (P_t ∘ Z) V + (P ∘ Z) V_t with P_t = P ∘ (S_t − rowsum(P ∘ S_t)); forward over
     forward is refused (refuse_nested_forward_ad).
   * forward over reverse (torch.func.hessian) is AttentionBackward.jvp: torch.func.jvp of the
@@ -437,9 +437,8 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
             f = _composite_in(ctx, leaves, wants, rng_state, alibi_slopes, outputs)
             _, results = torch.func.jvp(f, tuple(t for t, w in zip(leaves, wants) if w),
                                         tuple(t for t, w in zip(tangents, wants) if w))
-        else:
-            results = (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
-                       torch.zeros_like(attn_mask))[:len(outputs)]
+        else:  # (tangents of inputs the results do not depend on: grad_lse's alone without a loss on it)
+            results = [torch.zeros_like(t) for t in (query, key, value, attn_mask)[:len(outputs)]]
         dmask_t = results[3] if ctx.mask_grad else query.new_zeros((0,))
         return results[0], results[1], results[2], dmask_t
 
