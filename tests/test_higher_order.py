@@ -171,6 +171,21 @@ def test_func_hessian_wrt_every_input_at_once_equals_reference(case):
             assert_close(got[i][j], expected[i][j], 1e-10, f"{case}: d2/d{i}d{j}")
 
 
+def test_backward_jvp_with_tangents_only_for_out_gives_zeros():
+    """out and lse enter the differentiable backward only through q, k and v (the composite
+    recomputes them): tangents of out alone move no gradient."""
+    from attention_ext.function import AttentionBackward
+    q, k, v, go = (rand(1, 3, 4) for _ in range(4))
+    out, lse = torch.ops.attention_ext.attention_fwd(q, k, v, None, 0.5, 0, -1, -1, 0.0, None, None, 0.0, None)
+
+    def grads(o):
+        return AttentionBackward.apply(go, None, q, k, v, None, o, lse, 0.5, 0, -1, -1, 0.0, None, None, 0.0, None,
+                                       False, False)[:3]
+
+    for tangent in jvp(grads, (out,), (torch.ones_like(out),))[1]:
+        assert tangent.shape == q.shape and torch.equal(tangent, torch.zeros_like(tangent))
+
+
 @pytest.mark.parametrize("how", ["grad_of_grad", "jacrev_of_jacrev"])
 def test_func_reverse_over_reverse_equals_reference(how):
     q, ours, ref = _hessian_case()
