@@ -380,6 +380,23 @@ def _composite_in(ctx, leaves, wants, rng_state, alibi_slopes, outputs):
     return composite
 
 
+def _jvp_by_double_vjp(f, primals, tangents):
+    """J·t of f at primals through reverse mode twice: g(u) = Jᵀu is linear in u, so the vjp of g
+    with cotangent t is J·t. For a jvp rule running inside torch.autograd.forward_ad's level,
+    where torch.func.jvp would open a second level."""
+    with torch.no_grad():  # (a copy, not detach(): under autograd.functional's vectorized jacobian the
+        xs = [p.clone() for p in primals]  # primals are batched tensors, whose detach is not batched)
+    with torch.enable_grad():
+        xs = [x.requires_grad_() for x in xs]
+        outs = f(*xs)
+        us = [torch.zeros_like(o, requires_grad=True) for o in outs]
+        gs = torch.autograd.grad(outs, xs, us, create_graph=True, allow_unused=True)
+        pairs = [(g, t) for g, t in zip(gs, tangents) if g is not None and g.requires_grad]
+        results = (torch.autograd.grad([g for g, _ in pairs], us, [t for _, t in pairs], allow_unused=True)
+                   if pairs else [None] * len(us))
+    return tuple(torch.zeros_like(o) if r is None else r for r, o in zip(results, outs))
+
+
 class AttentionBackward(_PositionalApply, torch.autograd.Function):
     """The fused backward as a differentiable function (its own backward is the composition)."""
 
@@ -435,8 +452,12 @@ class AttentionBackward(_PositionalApply, torch.autograd.Function):
         outputs = [0, 1, 2, 3] if ctx.mask_grad else [0, 1, 2]
         if any(wants):
             f = _composite_in(ctx, leaves, wants, rng_state, alibi_slopes, outputs)
-            _, results = torch.func.jvp(f, tuple(t for t, w in zip(leaves, wants) if w),
-                                        tuple(t for t, w in zip(tangents, wants) if w))
+            primals = tuple(t for t, w in zip(leaves, wants) if w)
+            chosen_tangents = tuple(t for t, w in zip(tangents, wants) if w)
+            if torch._C._are_functorch_transforms_active():
+                _, results = torch.func.jvp(f, primals, chosen_tangents)
+            else:  # torch.autograd.forward_ad's level is open, and it does not nest
+                results = _jvp_by_double_vjp(f, primals, chosen_tangents)
         else:  # (tangents of inputs the results do not depend on: grad_lse's alone without a loss on it)
             results = [torch.zeros_like(t) for t in (query, key, value, attn_mask)[:len(outputs)]]
         dmask_t = results[3] if ctx.mask_grad else query.new_zeros((0,))

@@ -119,9 +119,13 @@ def test_third_derivative_equals_reference():
     assert_close(got, expected, 1e-10, "third derivative")
 
 
-def test_autograd_functional_hessian_equals_reference():
+@pytest.mark.parametrize("strategy", ["reverse-mode", "forward-mode"])
+def test_autograd_functional_hessian_equals_reference(strategy):
+    """forward-mode: torch.autograd.forward_ad over the differentiable backward (its jvp, which
+    cannot open a second forward-AD level there, runs reverse mode twice), vectorized."""
     q, ours, ref = _hessian_case()
-    got = torch.autograd.functional.hessian(ours, q)
+    got = torch.autograd.functional.hessian(ours, q, vectorize=strategy == "forward-mode",
+                                            outer_jacobian_strategy=strategy)
     assert_close(got, torch.autograd.functional.hessian(ref, q), 1e-10, "hessian")
 
 
