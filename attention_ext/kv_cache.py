@@ -194,10 +194,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out = q.new_empty((0, seqlen_q, heads, v_cache.shape[-1]))
         return (out, q.new_empty((0, heads, seqlen_q), dtype=lse_dtype(q.dtype))) if return_softmax_lse else out
 
-    # (batch, 1) cache indices where each entry's new keys go, and so (FlashAttention's rule) the
-    # positions rotary rotates them and q at
-    start = torch.tensor(lengths, device=device).unsqueeze(-1)
-    positions = start + torch.arange(new, device=device)
+    if k is not None:
+        # (batch, 1) cache indices where each entry's new keys go, and so (FlashAttention's rule)
+        # the positions rotary rotates them and q at (a call without new keys needs neither)
+        start = torch.tensor(lengths, device=device).unsqueeze(-1)
+        positions = start + torch.arange(new, device=device)
     if rotary_cos is not None or rotary_sin is not None:
         if rotary_cos is None or rotary_sin is None or k is None:
             _fail(ValueError, "rotary_cos and rotary_sin go together and only with new k / v to rotate")
