@@ -46,14 +46,10 @@ def torch_requirement():
     return f"torch>={major}.{minor},<{major}.{minor + 1}"
 
 
-def _flag(name):
-    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
-
-
 def want_cuda():
-    if _flag("FORCE_CPU"):
+    if _build.env_flag("FORCE_CPU"):
         return False
-    if _flag("FORCE_CUDA"):
+    if _build.env_flag("FORCE_CUDA"):
         if CUDA_HOME is None:
             sys.exit("FORCE_CUDA=1 but no CUDA toolkit (nvcc) was found; set CUDA_HOME")
         return True
@@ -73,7 +69,7 @@ def extensions():
     cpu_sources = _build.sources("cpu", ROOT)
     # -g0: Python's own CFLAGS carry -g, which doubles the compile time of every file that includes
     # torch's headers; ATTENTION_EXT_DEBUG=1 keeps the debug info.
-    cxx_flags = description["cxxflags"] + ([] if _flag("ATTENTION_EXT_DEBUG") else ["-g0"])
+    cxx_flags = description["cxxflags"] + ([] if _build.env_flag("ATTENTION_EXT_DEBUG") else ["-g0"])
     link_flags = description["ldflags"]
     define_macros = []
     if os.environ.get("ATTENTION_EXT_SANITIZE"):
@@ -83,7 +79,7 @@ def extensions():
         cxx_flags = [f for f in cxx_flags if f != "-O3"] + ["-O1", "-g1", "-fno-omit-frame-pointer", san,
                                                              "-fno-sanitize-recover=all"]
         link_flags.append(san)
-    if _flag("ATTENTION_EXT_CUDA_EMULATION"):
+    if _build.env_flag("ATTENTION_EXT_CUDA_EMULATION"):
         # A test build: the CUDA binding and kernels compiled by the host compiler, registered
         # for CPU tensors and run on host threads (csrc/cuda_emulation/emulation.h). Needs the CUDA headers
         # only, no GPU and no CUDA runtime; never a build to install.

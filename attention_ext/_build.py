@@ -21,12 +21,13 @@ SOURCE_DIR = os.path.join(ROOT_DIR, "csrc")
 _loaded_from = None
 
 
-def _env_flag(name: str) -> bool:
+def env_flag(name: str) -> bool:
+    """An on/off environment variable (1, true, yes, on), as setup.py and the tests read theirs too."""
     return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
 
 
 def jit_requested() -> bool:
-    return _env_flag("ATTENTION_EXT_JIT")
+    return env_flag("ATTENTION_EXT_JIT")
 
 
 def build_description(root: str = ROOT_DIR) -> dict:
@@ -92,7 +93,7 @@ def load_extension() -> str:
     if _loaded_from is not None:
         return _loaded_from
     if jit_requested():
-        _loaded_from = "jit:" + build_jit(verbose=_env_flag("ATTENTION_EXT_JIT_VERBOSE"))
+        _loaded_from = "jit:" + build_jit(verbose=env_flag("ATTENTION_EXT_JIT_VERBOSE"))
         return _loaded_from
     ops_dir = compiled_ops_dir()
     built = _built_torch_version(ops_dir)

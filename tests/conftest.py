@@ -39,7 +39,7 @@ def pytest_report_header(config):
 CUDA_EMULATION = attention_ext.build_info().get("cuda_emulation") == "1"
 # The environment asks for that build (.ci/cuda_emulation.sh exports the flag setup.py reads for
 # the build and the test run): the session then refuses to start on any other build.
-EMULATION_REQUESTED = os.environ.get("ATTENTION_EXT_CUDA_EMULATION", "0").lower() in ("1", "true", "yes", "on")
+EMULATION_REQUESTED = _build.env_flag("ATTENTION_EXT_CUDA_EMULATION")
 
 # Where the tests of the CUDA kernels put their tensors: the CPU in the emulation build (whose CUDA
 # binding is registered for CPU tensors), else a CUDA device if there is one, else None.
