@@ -1,10 +1,38 @@
-// Dtype dispatch of the CUDA kernels, the split-KV plan and the dropout keep-mask kernel.
+// Dtype dispatch of the CUDA kernels, the split-KV plan, the dropout keep-mask kernel, and whether
+// a device runs the build's tensor-core code.
+#include <atomic>
+
 #include "common.cuh"
 #include "kernels.h"
 #include "tc_forward.cuh"
 
 namespace attention_ext {
 namespace cuda {
+
+namespace tc {
+
+// An empty kernel compiled with the build's flags: its attributes on a device say which PTX
+// architecture the device code comes from there (the same for every .cu of the build).
+__global__ void arch_probe_kernel() {}
+
+bool device_runs_sm80_code(int device) {
+  // The answer is fixed for a process and device: asked once (devices beyond the table, every time).
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> answers[kCachedDevices];  // 0: not asked yet, 1: yes, 2: no
+  std::atomic<int>* answer = device >= 0 && device < kCachedDevices ? &answers[device] : nullptr;
+  const int known = answer != nullptr ? answer->load(std::memory_order_relaxed) : 0;
+  if (known != 0) return known == 1;
+  cudaFuncAttributes attributes;
+  bool yes = false;
+  if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&arch_probe_kernel)) == cudaSuccess)
+    yes = attributes.ptxVersion >= 80;
+  else
+    cudaGetLastError();  // (not left for the next launch's check to find)
+  if (answer != nullptr) answer->store(yes ? 1 : 2, std::memory_order_relaxed);
+  return yes;
+}
+
+}  // namespace tc
 
 void plan_forward_cuda(AttentionParams& p) { tc::plan_kv_splits(p); }  // only the tensor-core forward splits
 

@@ -110,9 +110,9 @@ inline bool rows_are_aligned_chunks(const AttentionParams& p, const TensorRef& t
   return true;
 }
 
-// An empty kernel compiled with this file's flags: its attributes on the current device say which
-// PTX architecture the device code comes from.
-static __global__ void tc_arch_probe() {}
+// Whether the device runs this build's device code from PTX for sm_80 or later (dispatch.cu: one
+// definition, asked once per device).
+bool device_runs_sm80_code(int device);
 
 // Calls the tensor-core kernels take: fp16/bf16, d_k == d_v == 64 or 128, Q/K/V rows of aligned
 // chunks, ATTENTION_EXT_CUDA_SIMT not set to 1 (which forces the SIMT kernels, for testing and
@@ -136,12 +136,7 @@ inline bool eligible(const AttentionParams& p) {
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 8)
     return false;
-  cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&tc_arch_probe)) != cudaSuccess) {
-    cudaGetLastError();  // (not left for the next launch's check to find)
-    return false;
-  }
-  return attributes.ptxVersion >= 80;
+  return device_runs_sm80_code(device);
 }
 
 }  // namespace tc
