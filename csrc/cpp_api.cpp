@@ -91,6 +91,18 @@ std::optional<at::Tensor> mask_or_none(const std::optional<at::Tensor>& attn_mas
   return std::nullopt;
 }
 
+// The sinks in the lse's dtype (float64 for float64 inputs, float32 otherwise), as the ops take
+// them; the slopes go as they are (the op names the tensor if they are not float32).
+std::optional<at::Tensor> sinks_for(const at::Tensor& q, const ScoreModifiers& modifiers) {
+  if (!modifiers.sinks.has_value() || !modifiers.sinks->defined()) return std::nullopt;
+  return modifiers.sinks->to(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+}
+
+std::optional<at::Tensor> slopes_for(const ScoreModifiers& modifiers) {
+  if (!modifiers.alibi_slopes.has_value() || !modifiers.alibi_slopes->defined()) return std::nullopt;
+  return modifiers.alibi_slopes;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
@@ -99,12 +111,12 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
                                                      std::optional<double> scale, Causal causal,
                                                      double dropout_p,
                                                      const std::optional<at::Tensor>& rng_state,
-                                                     Window window) {
+                                                     Window window, const ScoreModifiers& modifiers) {
   at::Tensor key = k, value = v;
   expand_kv(key, value);
   return fwd_op().call(q, key, value, mask_or_none(attn_mask), resolve_scale(q, scale),
-                       static_cast<int64_t>(causal), window.left, window.right, /*softcap=*/0.0,
-                       /*alibi_slopes=*/std::nullopt, /*sinks=*/std::nullopt, dropout_p, rng_state);
+                       static_cast<int64_t>(causal), window.left, window.right, modifiers.softcap,
+                       slopes_for(modifiers), sinks_for(q, modifiers), dropout_p, rng_state);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
@@ -112,13 +124,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     std::optional<double> scale, Causal causal, double dropout_p,
     const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& grad_lse,
-    bool mask_requires_grad, Window window) {
+    bool mask_requires_grad, Window window, const ScoreModifiers& modifiers) {
   at::Tensor key = k, value = v;
   expand_kv(key, value);
   auto [gq, gk, gv, gmask] =
       bwd_op().call(grad_out, mask_or_none(grad_lse), q, key, value, mask_or_none(attn_mask), out, lse,
                     resolve_scale(q, scale), static_cast<int64_t>(causal), window.left, window.right,
-                    /*softcap=*/0.0, /*alibi_slopes=*/std::nullopt, /*sinks=*/std::nullopt, dropout_p, rng_state,
+                    modifiers.softcap, slopes_for(modifiers), sinks_for(q, modifiers), dropout_p, rng_state,
                     mask_requires_grad, /*merged_lse=*/false);
   // Reduce the gradients of expanded key/value back to the caller's shapes.
   if (gk.sizes() != k.sizes()) gk = gk.sum_to_size(k.sizes());
@@ -175,10 +187,33 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
 
 at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k,
                              const std::optional<at::Tensor>& attn_mask,
-                             std::optional<double> scale, Causal causal, Window window) {
+                             std::optional<double> scale, Causal causal, Window window,
+                             const ScoreModifiers& modifiers) {
   return probs_op().call(q, k, mask_or_none(attn_mask), resolve_scale(q, scale), static_cast<int64_t>(causal),
-                         window.left, window.right, /*softcap=*/0.0, /*alibi_slopes=*/std::nullopt,
-                         /*sinks=*/std::nullopt);
+                         window.left, window.right, modifiers.softcap, slopes_for(modifiers),
+                         sinks_for(q, modifiers));
+}
+
+// As the Python package's (attention_ext/function.py, sink_gradient): with delta = rowsum(dO ∘ O)
+// − dlse per row, d loss / d sink = Σ_rows exp(sink − lse)·(0 − delta), the sink's key having
+// value 0. Rows with lse = −inf (no visible key and a sink of −inf) have weight 0.
+at::Tensor sink_gradient(const at::Tensor& sinks, const at::Tensor& out, const at::Tensor& lse,
+                         const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse) {
+  TORCH_CHECK(out.dim() >= 1 && lse.dim() == out.dim() - 1 && lse.sizes() == out.sizes().slice(0, out.dim() - 1),
+              "attention_ext: sink_gradient needs out (..., n, d_v) and lse (..., n), got out ", out.sizes(),
+              " and lse ", lse.sizes());
+  TORCH_CHECK(grad_out.sizes() == out.sizes(), "attention_ext: sink_gradient needs grad_out shaped like out ",
+              out.sizes(), ", got ", grad_out.sizes());
+  TORCH_CHECK(!grad_lse.has_value() || !grad_lse->defined() || grad_lse->sizes() == lse.sizes(),
+              "attention_ext: sink_gradient needs grad_lse shaped like lse ", lse.sizes(), ", got ",
+              grad_lse.has_value() ? grad_lse->sizes() : at::IntArrayRef{});
+  // (Tensor methods, not operators: this file includes ATen's core only.)
+  const at::ScalarType acc = lse.scalar_type();
+  at::Tensor delta = grad_out.to(acc).mul(out.to(acc)).sum(-1);
+  if (grad_lse.has_value() && grad_lse->defined()) delta = delta.sub(grad_lse->to(acc));
+  const at::Tensor weight = sinks.to(acc).unsqueeze(-1).sub(lse).exp().masked_fill(lse.isneginf(), 0.0);
+  const at::Tensor rows = weight.mul(delta);
+  return rows.sum(-1).neg().sum_to_size(sinks.sizes()).to(sinks.scalar_type());
 }
 
 std::string build_info() {

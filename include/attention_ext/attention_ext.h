@@ -9,9 +9,7 @@
 // registered from Python): call attention_backward() yourself, or use the Python package for
 // autograd. Shapes: q (..., n, d_k), k (..., m, d_k), v (..., m, d_v) -> out (..., n, d_v);
 // leading dims broadcast like torch. See the README's "Semantics" table for masks, causal kinds,
-// fully masked rows (output 0, lse -inf) and dropout. Not here yet: softcap, ALiBi slopes and
-// sinks (the ops take them: call attention_ext::attention_fwd through the dispatcher, its schema
-// is in csrc/registration.cpp).
+// fully masked rows (output 0, lse -inf), dropout and the score modifiers (softcap, ALiBi, sinks).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -52,6 +50,22 @@ struct Window {
   int64_t right = -1;
 };
 
+// Score modifiers, applied to the scaled logit t = q·k·scale in this order, before attn_mask and
+// the causal / window band (as FlashAttention and the Python package):
+//   softcap > 0: t -> softcap·tanh(t / softcap) (Gemma 2); 0: none.
+//   alibi_slopes: float32, one slope per head in a shape broadcasting to the batch dims ((heads,),
+//     or (batch, heads) for (batch, heads, n, d) inputs): adds -slope·|i + m - n - j| (ALiBi,
+//     aligned bottom-right as FlashAttention's). Constants: no gradient.
+//   sinks: one logit per head, shaped like alibi_slopes, any floating dtype (converted to the
+//     lse's): an extra key with value 0 in every row's softmax (GPT-OSS), so a row's weights sum
+//     to 1 minus the sink's and the lse includes it; a row with no visible key then has lse = the
+//     sink and output 0. Its gradient is sink_gradient()'s.
+struct ScoreModifiers {
+  double softcap = 0.0;
+  std::optional<at::Tensor> alibi_slopes;
+  std::optional<at::Tensor> sinks;
+};
+
 // softmax(q kᵀ · scale + mask) v and the row logsumexp lse (..., n) of the masked scaled scores
 // (float64 for float64 inputs, float32 otherwise; -inf for a row where no key takes part).
 // attn_mask: bool (True = the key takes part) or the query's dtype (added to the scores), any
@@ -64,12 +78,14 @@ ATTENTION_EXT_API std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& attn_mask = {}, std::optional<double> scale = {},
     Causal causal = Causal::kNone, double dropout_p = 0.0,
-    const std::optional<at::Tensor>& rng_state = {}, Window window = {});
+    const std::optional<at::Tensor>& rng_state = {}, Window window = {},
+    const ScoreModifiers& modifiers = {});
 
 // Gradients of attention_forward: returns (grad_q, grad_k, grad_v, grad_mask) with the shapes
 // of q, k, v and attn_mask. grad_mask is computed only when mask_requires_grad (needs a floating
 // attn_mask) and is an undefined tensor otherwise. out and lse are attention_forward's outputs
-// for the same arguments; grad_lse (optional) is the gradient flowing into lse.
+// for the same arguments; grad_lse (optional) is the gradient flowing into lse. The gradient into
+// modifiers.sinks is sink_gradient()'s.
 ATTENTION_EXT_API std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse,
@@ -77,7 +93,14 @@ ATTENTION_EXT_API std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> att
     Causal causal = Causal::kNone, double dropout_p = 0.0,
     const std::optional<at::Tensor>& rng_state = {},
     const std::optional<at::Tensor>& grad_lse = {}, bool mask_requires_grad = false,
-    Window window = {});
+    Window window = {}, const ScoreModifiers& modifiers = {});
+
+// The gradient into the sinks of attention_forward(..., modifiers) (sinks' shape and dtype), from
+// its out and lse and the gradients flowing into them: each row's sink weight exp(sink - lse)
+// times -(rowsum(grad_out * out) - grad_lse), summed over the rows of each sink. O(n·d_v).
+ATTENTION_EXT_API at::Tensor sink_gradient(const at::Tensor& sinks, const at::Tensor& out,
+                                           const at::Tensor& lse, const at::Tensor& grad_out,
+                                           const std::optional<at::Tensor>& grad_lse = {});
 
 // Drop-in for at::scaled_dot_product_attention (forward only): same arguments and semantics,
 // except that rows where no key takes part give 0 instead of NaN. is_causal means top-left
@@ -89,13 +112,14 @@ ATTENTION_EXT_API at::Tensor scaled_dot_product_attention(
     const std::optional<at::Tensor>& attn_mask = {}, double dropout_p = 0.0,
     bool is_causal = false, std::optional<double> scale = {}, bool enable_gqa = false);
 
-// The exact attention probabilities (..., n, m): rows sum to 1, masked entries are 0, rows with no
-// visible key are all 0.
+// The exact attention probabilities (..., n, m): rows sum to 1 (with sinks: 1 minus the sink's
+// weight), masked entries are 0, rows with no visible key are all 0.
 ATTENTION_EXT_API at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k,
                                                const std::optional<at::Tensor>& attn_mask = {},
                                                std::optional<double> scale = {},
                                                Causal causal = Causal::kNone,
-                                               Window window = {});
+                                               Window window = {},
+                                               const ScoreModifiers& modifiers = {});
 
 // "key=value" lines: torch version built against, compiler, OpenMP, CPU kernel variants, CUDA.
 ATTENTION_EXT_API std::string build_info();

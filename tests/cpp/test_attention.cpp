@@ -82,10 +82,20 @@ struct Ref {
 
 // The reference in float64 (differentiable): masked scores, softmax, probabilities times v.
 // Fully masked rows give weights 0 (so output 0) and lse -inf, like the library.
+// With modifiers: softcap·tanh(t / softcap), then −slope·|i + m − n − j|, before the mask; a sink
+// is one more column in the softmax whose weight is dropped afterwards (its value is 0).
 Ref reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-              const std::optional<at::Tensor>& mask, double scale, Causal causal) {
+              const std::optional<at::Tensor>& mask, double scale, Causal causal,
+              const attention_ext::ScoreModifiers& mods = {}) {
   const double inf = std::numeric_limits<double>::infinity();
   at::Tensor s = q.matmul(k.transpose(-2, -1)) * scale;
+  const int64_t n = s.size(-2), m = s.size(-1);
+  if (mods.softcap > 0) s = (s / mods.softcap).tanh() * mods.softcap;
+  if (mods.alibi_slopes.has_value()) {
+    const at::Tensor i = at::arange(n, at::kLong).unsqueeze(-1), j = at::arange(m, at::kLong);
+    const at::Tensor distance = (i + (m - n) - j).abs().to(at::kDouble);
+    s = s - mods.alibi_slopes->to(at::kDouble).unsqueeze(-1).unsqueeze(-1) * distance;
+  }
   if (mask.has_value()) {
     if (mask->scalar_type() == at::kBool)
       s = s.masked_fill(mask->logical_not(), -inf);
@@ -93,6 +103,14 @@ Ref reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       s = s + mask->to(s.scalar_type());
   }
   if (causal != Causal::kNone) s = s.masked_fill(visibility(s.size(-2), s.size(-1), causal).logical_not(), -inf);
+  if (mods.sinks.has_value()) {
+    std::vector<int64_t> column(s.sizes().begin(), s.sizes().end());
+    column.back() = 1;
+    const at::Tensor sink = mods.sinks->to(at::kDouble).unsqueeze(-1).unsqueeze(-1).expand(column);
+    const at::Tensor lse = at::logsumexp(at::cat({s, sink}, -1), -1, /*keepdim=*/true);
+    const at::Tensor p = (s - lse).exp();  // the keys' weights; the sink's is 1 minus their sum
+    return {p.matmul(v), lse.squeeze(-1), p};
+  }
   const at::Tensor lse = at::logsumexp(s, -1, /*keepdim=*/true);
   const at::Tensor empty = at::isinf(lse).logical_and(lse < 0);
   at::Tensor p = at::softmax(s, -1);
@@ -186,6 +204,59 @@ void backward_case(at::ScalarType dtype, std::vector<int64_t> qs, std::vector<in
     check(!gmask.defined(), "grad_mask is undefined when not requested");
 }
 
+// Softcap, ALiBi and sinks through the C++ API: forward, weights and gradients (the sinks' through
+// sink_gradient) against autograd of the float64 reference.
+void modifiers_case(at::ScalarType dtype, Causal causal, bool per_batch) {
+  const at::TensorOptions opt = at::TensorOptions().dtype(dtype);
+  const at::Tensor q = at::randn({2, 3, 6, 8}, opt), k = at::randn({2, 3, 9, 8}, opt),
+                   v = at::randn({2, 3, 9, 5}, opt);
+  const std::vector<int64_t> per_head = per_batch ? std::vector<int64_t>{2, 3} : std::vector<int64_t>{3};
+  attention_ext::ScoreModifiers mods;
+  mods.softcap = 1.5;
+  mods.alibi_slopes = at::rand(per_head, at::kFloat) * 0.5;
+  mods.sinks = at::randn(per_head, opt);
+  at::Tensor mask = at::ones({6, 9}, at::kBool);
+  mask[2].fill_(false);  // a row with no visible key: the sink alone, output 0, lse = the sink
+
+  auto [out, lse] = attention_ext::attention_forward(q, k, v, mask, {}, causal, 0.0, {}, {}, mods);
+  const at::Tensor grad_out = at::randn(out.sizes(), opt);
+  const at::Tensor grad_lse = at::randn(lse.sizes(), lse.options());
+  auto [gq, gk, gv, gm] = attention_ext::attention_backward(grad_out, q, k, v, out, lse, mask, {}, causal, 0.0,
+                                                            {}, grad_lse, false, {}, mods);
+  const at::Tensor gsinks = attention_ext::sink_gradient(*mods.sinks, out, lse, grad_out, grad_lse);
+
+  torch::AutoGradMode grad_mode(true);
+  at::Tensor q64 = q.to(at::kDouble).detach().requires_grad_(true);
+  at::Tensor k64 = k.to(at::kDouble).detach().requires_grad_(true);
+  at::Tensor v64 = v.to(at::kDouble).detach().requires_grad_(true);
+  attention_ext::ScoreModifiers mods64 = mods;
+  mods64.sinks = mods.sinks->to(at::kDouble).detach().requires_grad_(true);
+  const Ref ref = reference(q64, k64, v64, mask, default_scale(q), causal, mods64);
+  const at::Tensor loss = (ref.out * grad_out.to(at::kDouble)).sum() + (ref.lse * grad_lse.to(at::kDouble)).sum();
+  const auto grads = torch::autograd::grad({loss}, {q64, k64, v64, *mods64.sinks});
+
+  const double tol = dtype == at::kDouble ? 1e-9 : 1e-4;
+  check_close(out, ref.out.detach(), tol, tol, "out");
+  check_close(lse, ref.lse.detach(), tol, tol, "lse");
+  check(at::equal(out.select(-2, 2), at::zeros_like(out.select(-2, 2))), "the row with no key gives 0");
+  check_close(attention_ext::attention_weights(q, k, mask, {}, causal, {}, mods), ref.probs.detach(), tol, tol,
+              "attention_weights");
+  check_close(gq, grads[0], tol, tol, "grad_q");
+  check_close(gk, grads[1], tol, tol, "grad_k");
+  check_close(gv, grads[2], tol, tol, "grad_v");
+  check(gsinks.sizes() == mods.sinks->sizes() && gsinks.scalar_type() == dtype, "grad_sinks shape and dtype");
+  check_close(gsinks, grads[3], tol, tol, "grad_sinks");
+  // Each modifier is honoured: without it the result differs.
+  for (int drop = 0; drop < 3; ++drop) {
+    attention_ext::ScoreModifiers less = mods;
+    if (drop == 0) less.softcap = 0.0;
+    if (drop == 1) less.alibi_slopes.reset();
+    if (drop == 2) less.sinks.reset();
+    const at::Tensor other = std::get<0>(attention_ext::attention_forward(q, k, v, mask, {}, causal, 0.0, {}, {}, less));
+    check(!at::allclose(other, out), "modifier " + std::to_string(drop) + " changes the output");
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -240,6 +311,17 @@ int main() {
     run_case("backward k/v broadcast " + d, [&] {
       backward_case(dtype, {2, 3, 5, 4}, {1, 3, 6, 4}, {2, 3, 6, 4}, Causal::kNone, 0);
     });
+  }
+
+  // Score modifiers: softcap, ALiBi (per head and per batch entry), sinks.
+  for (const at::ScalarType dtype : {at::kDouble, at::kFloat}) {
+    for (const Causal causal : kinds) {
+      for (const bool per_batch : {false, true}) {
+        run_case("modifiers " + std::string(c10::toString(dtype)) + " causal=" +
+                     std::to_string(static_cast<int>(causal)) + (per_batch ? " per batch" : " per head"),
+                 [&] { modifiers_case(dtype, causal, per_batch); });
+      }
+    }
   }
 
   // A row where no key takes part: output 0, lse -inf, finite zero gradients for that row.
@@ -343,6 +425,16 @@ int main() {
       msg = e.what_without_backtrace();
     }
     check(msg.find("same head dim") != std::string::npos, "head dim mismatch message, got: " + msg);
+    msg.clear();
+    try {
+      attention_ext::ScoreModifiers mods;
+      mods.alibi_slopes = at::ones({3}, at::kDouble);
+      attention_ext::attention_forward(at::randn({3, 4, 2}), at::randn({3, 5, 2}), at::randn({3, 5, 2}), {}, {},
+                                       Causal::kNone, 0.0, {}, {}, mods);
+    } catch (const c10::Error& e) {
+      msg = e.what_without_backtrace();
+    }
+    check(msg.find("alibi_slopes") != std::string::npos, "float64 slopes are refused by name, got: " + msg);
   });
 
   if (g_failures) {
