@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# Builds the wheel, installs only the wheel into an empty virtual environment (pip must bring the
-# torch release it was compiled for, and refuse another one clearly), and runs a smoke test from
-# outside the checkout: nothing may be imported from the source tree.
+# Builds the source distribution, checks that it carries every tracked build input, builds the
+# wheel from the unpacked sdist (what `pip install attention_ext-*.tar.gz` does), installs only the
+# wheel into an empty virtual environment (pip must bring the torch release it was compiled for, and
+# refuse another one clearly), and runs a smoke test from outside the checkout: nothing may be
+# imported from the source tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-MAX_JOBS="${MAX_JOBS:-2}" pip wheel --no-build-isolation --no-deps -w "$work/dist" . > "$work/wheel.log" 2>&1 \
-  || { tail -50 "$work/wheel.log"; exit 1; }
+python setup.py -q sdist -d "$work/sdist" > "$work/sdist.log" 2>&1 || { tail -50 "$work/sdist.log"; exit 1; }
+sdist=$(ls "$work"/sdist/attention_ext-*.tar.gz)
+if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
+  tar tzf "$sdist" | sed 's|^[^/]*/||' | sort > "$work/in_sdist"
+  missing=$(git ls-files csrc include cmake CMakeLists.txt setup.py pyproject.toml attention_ext | sort \
+            | comm -13 "$work/in_sdist" -)
+  [ -z "$missing" ] || { echo "the sdist lacks tracked build inputs:"; echo "$missing"; exit 1; }
+fi
+echo "built $(basename "$sdist") ($(du -h "$sdist" | cut -f1)): every tracked build input is in it"
+mkdir "$work/unpacked" && tar xzf "$sdist" -C "$work/unpacked"
+(cd "$work"/unpacked/attention_ext-* && MAX_JOBS="${MAX_JOBS:-2}" pip wheel --no-build-isolation --no-deps \
+  -w "$work/dist" . > "$work/wheel.log" 2>&1) || { tail -50 "$work/wheel.log"; exit 1; }
 wheel=$(ls "$work"/dist/attention_ext-*.whl)
 echo "built $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
 
