@@ -86,9 +86,15 @@ def demo() -> int:
 # check: the correctness matrix.
 
 def _devices(choice):
+    """The devices to check: every one available, or the one asked for, which must be (a check
+    of nothing is no pass)."""
     devs = ["cpu"]
     if torch.cuda.is_available() and attention_ext.build_info()["cuda"] == "1":
         devs.append("cuda")
+    if choice is not None and choice not in devs:
+        why = ("this build has no CUDA kernels (build_info()['cuda'] is 0)" if attention_ext.build_info()["cuda"] != "1"
+               else "torch sees no CUDA device")
+        raise SystemExit(f"attention_ext check: --device {choice} cannot be checked: {why}")
     return [d for d in devs if choice in (None, d)]
 
 
@@ -114,6 +120,7 @@ def _forward_case(device, dtype, shape, causal, masked):
 
 
 def check(args) -> int:
+    devices = _devices(args.device)
     rows = []
     failures = 0
     shapes = [(1, 2, 17, 33, 5, 7), (2, 3, 64, 64, 64, 64), (1, 2, 130, 257, 128, 32)]
@@ -140,7 +147,7 @@ def check(args) -> int:
         rows.append(line)
 
     print(f"{'configuration':58s} {'max error':28s} {'verdict':5s} {'time':>7s}")
-    for device in _devices(args.device):
+    for device in devices:
         for dtype in _dtypes(args.dtype):
             for shape in shapes:
                 for causal in (None, "top_left", "bottom_right"):
@@ -170,7 +177,7 @@ def check(args) -> int:
                 return True
 
             record(f"{device} opcheck attention_fwd", opcheck_case)
-    if "cuda" in _devices(args.device):
+    if "cuda" in devices:
         def agreement():
             q, k, v = (torch.randn(2, 3, 70, 32, dtype=torch.float64) for _ in range(3))
             a = attention_ext.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -45,6 +45,15 @@ def flag(value, name: str, prefix: str = PREFIX, integers: bool = False) -> bool
     raise TypeError(f"{prefix}{name} must be a bool, got {shown}")
 
 
+def device_rule(check: Check, t: torch.Tensor, name: str, device: torch.device, cpu_ok: bool = False) -> None:
+    """t on `device` (query's), or with cpu_ok also on the CPU (index tensors the kernels copy).
+    In a fake kernel this is what refuses a stray meta tensor beside real ones: the dispatcher runs
+    the fake kernel whenever any argument is on meta, and it would return uninitialised tensors."""
+    check(t.device == device or (cpu_ok and t.device.type == "cpu"), ValueError,
+          lambda: f"{name} must be on {device}{' (or the CPU)' if cpu_ok and device.type != 'cpu' else ''}, got "
+                  f"{t.device}")
+
+
 def tensor_rules(check: Check, t: torch.Tensor, name: str) -> None:
     """A query, key or value tensor: a supported float dtype and at least (length, head_dim)."""
     check(t.dtype in FLOAT_DTYPES, TypeError,

@@ -75,8 +75,9 @@ def _attention_bwd_fake(grad_out, grad_lse, query, key, value, attn_mask, out, l
                         merged_lse=False):
     _check_fake_inputs(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
                        sinks, dropout_p, rng_state)
-    for t, name in ((grad_out, "grad_out"), (out, "out"), (lse, "lse")):
-        _check(t.device == query.device, f"{name} must be on {query.device}, got {t.device}")
+    for t, name in ((grad_out, "grad_out"), (grad_lse, "grad_lse"), (out, "out"), (lse, "lse")):
+        if t is not None:
+            _arguments.device_rule(_arguments.check_traced, t, name, query.device)
     grad_mask = torch.empty_like(attn_mask, memory_format=torch.contiguous_format) if mask_requires_grad \
         else query.new_empty((0,))
     return (

@@ -31,6 +31,8 @@ def _check_tensor(t, name):
         raise NotImplementedError(f"attention_ext: {name} is a nested tensor, which is not supported yet; for "
                                   "batches of sequences of different lengths use attention_ext.varlen_attention "
                                   "(cu_seqlens) or flash_attn_varlen_func")
+    if t.layout != torch.strided:
+        raise TypeError(f"attention_ext: {name} must be a dense (strided) tensor, got layout {t.layout}")
     if t.device.type not in ("cpu", "cuda", "meta"):
         raise NotImplementedError(f"attention_ext: {name} is on {t.device}; only CPU and CUDA tensors are supported")
 
@@ -120,7 +122,7 @@ def _check_dropout(dropout_p):
 
 
 def _check_causal(causal):
-    if causal not in CAUSAL_CODES:
+    if not (causal is None or isinstance(causal, str)) or causal not in CAUSAL_CODES:
         raise ValueError(f"attention_ext: causal must be None, 'top_left' or 'bottom_right', got {causal!r}")
     return causal
 
@@ -306,6 +308,7 @@ def _needs_autograd(*tensors) -> bool:
 
 
 _Tensor = torch.Tensor
+_STRIDED = torch.strided
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -319,6 +322,8 @@ def _lean_forward(query, key, value, causal_code, scale, enable_gqa=False):
     of argument handling per call (~20 µs with GQA): the whole cost of a decode-sized call."""
     if type(query) is not _Tensor or type(key) is not _Tensor or type(value) is not _Tensor:
         return None
+    if query.layout is not _STRIDED or key.layout is not _STRIDED or value.layout is not _STRIDED:
+        return None  # (sparse: the full path names the layout)
     if forward_ad_possible() or _is_compiling() or (_any_autocast() and _autocast_dtype(query) not in (None, query.dtype)):
         return None
     dtype = query.dtype
@@ -491,7 +496,8 @@ def attention(query, key, value, *, attn_mask=None, causal: Optional[str] = None
             (causal is None or type(causal) is str) and causal in CAUSAL_CODES:
         result = _lean_forward(query, key, value, CAUSAL_CODES[causal], scale, enable_gqa)
         if result is not None:
-            return result if return_lse else result[0]
+            return result if flag(return_lse, "return_lse") else result[0]
+    return_lse = flag(return_lse, "return_lse")
     _check_causal(causal)
     window = _check_window(window)
     softcap = _check_softcap(softcap)
@@ -527,6 +533,11 @@ def dropout_mask(rng_state: torch.Tensor, shape, dropout_p: float) -> torch.Tens
     (seed, offset)) applies: weight (b, i, j) survives iff the mask is True. The batch index b
     is the row-major index over the broadcast batch dims of the call (after enable_gqa's split
     of the query heads into (kv_heads, groups), which keeps the same order)."""
+    if isinstance(shape, torch.Size):
+        shape = tuple(shape)
+    if not isinstance(shape, (tuple, list)) or \
+            any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0 for s in shape):
+        raise TypeError(f"attention_ext: dropout_mask shape must be a tuple of ints >= 0 (*batch, n, m), got {shape!r}")
     shape = tuple(int(s) for s in shape)
     if len(shape) < 2:
         raise ValueError(f"attention_ext: dropout_mask shape must be (*batch, n, m), got {shape}")

@@ -68,6 +68,9 @@ def _check_layout(q, k, v):
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"attention_ext.flash: q and k must have the same batch size, got q {tuple(q.shape)} and "
                          f"k {tuple(k.shape)}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"attention_ext.flash: q and k must have the same head_dim, got q {tuple(q.shape)} and "
+                         f"k {tuple(k.shape)}")
     head_groups_rule(enforce, q.shape[2], k.shape[2])
 
 
@@ -76,10 +79,14 @@ def _band_from(causal, window_size):
     causal=True is bottom-right causal (window (-1, 0)); -1 leaves a side unbounded."""
     causal = flag(causal, "causal", "attention_ext.flash: ", integers=True)
     try:
-        left, right = (int(w) for w in window_size)
+        left, right = window_size
     except (TypeError, ValueError):
+        left = right = None
+    if isinstance(window_size, (str, bytes, torch.Tensor)) or \
+            any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in (left, right)):
         raise TypeError(f"attention_ext.flash: window_size must be a pair of ints (left, right), got "
-                        f"{window_size!r}") from None
+                        f"{window_size!r}")
+    left, right = int(left), int(right)
     if left < -1 or right < -1:
         raise ValueError(f"attention_ext.flash: window_size values must be -1 (unbounded) or >= 0, got "
                          f"{(left, right)}")
@@ -114,6 +121,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     causal_kind, window = _band_from(causal, window_size)
     softcap = _check_softcap(softcap)
     deterministic = flag(deterministic, "deterministic", "attention_ext.flash: ", integers=True)
+    return_attn_probs = flag(return_attn_probs, "return_attn_probs", "attention_ext.flash: ", integers=True)
     gqa = q.shape[2] != k.shape[2]
     # (batch, seqlen, heads, dim) -> (batch, heads, seqlen, dim): views; the kernels take strides.
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
@@ -174,6 +182,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     causal_kind, window = _band_from(causal, window_size)
     softcap = _check_softcap(softcap)
     deterministic = flag(deterministic, "deterministic", "attention_ext.flash: ", integers=True)
+    return_attn_probs = flag(return_attn_probs, "return_attn_probs", "attention_ext.flash: ", integers=True)
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 scale=softmax_scale, causal=causal_kind is not None, window=window, softcap=softcap,
                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=True)

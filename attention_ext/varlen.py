@@ -42,12 +42,13 @@ def _check_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, wi
     check = _arguments.check_traced
     _arguments.op_rules(check, query, key, value, None, scale, causal, window_left, window_right, softcap, None,
                         sinks, dropout_p, rng_state)
-    cu_rules(check, cu_seqlens_q, cu_seqlens_k, causal)
+    cu_rules(check, query, cu_seqlens_q, cu_seqlens_k, causal)
 
 
-def cu_rules(check, cu_seqlens_q, cu_seqlens_k, causal) -> None:
+def cu_rules(check, query, cu_seqlens_q, cu_seqlens_k, causal) -> None:
     """What can be checked of cu_seqlens without reading them (the kernels check the values)."""
     for cu, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        _arguments.device_rule(check, cu, name, query.device, cpu_ok=True)
         check(cu.dtype == torch.int32, TypeError, lambda cu=cu, name=name: f"{name} must be int32, got {cu.dtype}")
         check(cu.dim() == 1 and cu.shape[0] >= 1, ValueError,
               lambda cu=cu, name=name: f"{name} must be 1-D with (sequences + 1) entries, got shape {tuple(cu.shape)}")
@@ -142,9 +143,9 @@ def _check_packed_tensor(t, name, dims=3):
 
 def _check_max_seqlen(value, name):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"attention_ext: {name} must be an int >= 0, got {value!r}")
-    if value < 0:
-        raise ValueError(f"attention_ext: {name} must be an int >= 0, got {value!r}")
+        raise TypeError(f"attention_ext: {name} must be an int in [0, 2**63), got {value!r}")
+    if not 0 <= value < 2 ** 63:
+        raise ValueError(f"attention_ext: {name} must be an int in [0, 2**63), got {value!r}")
     return int(value)
 
 
@@ -192,8 +193,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"attention_ext: {name} must be a torch.Tensor, got {type(cu).__name__}")
     causal = _arguments.flag(causal, "causal")
+    return_lse = _arguments.flag(return_lse, "return_lse")
     causal_code = 2 if causal else 0
-    cu_rules(enforce, cu_seqlens_q, cu_seqlens_k, causal_code)
+    cu_rules(enforce, q, cu_seqlens_q, cu_seqlens_k, causal_code)
     max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
     scale = _check_scale(scale, k)

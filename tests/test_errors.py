@@ -201,3 +201,62 @@ def test_kvcache_with_no_entries_returns_empty_results_and_a_paged_cache_needs_a
     with pytest.raises(ValueError, match=r"a paged k_cache needs at least one block of at least one slot"):
         attention_ext.flash_attn_with_kvcache(t(3, 1, 4, 8), t(3, 0, 2, 8), t(3, 0, 2, 8), cache_seqlens=0,
                                               block_table=torch.zeros(3, 1, dtype=torch.int32))
+
+
+def test_a_stray_meta_tensor_beside_real_ones_is_refused_not_answered_with_garbage():
+    """Any meta argument sends the op to its fake kernel, which returns uninitialised tensors on q's
+    device: the index tensors and the backward's extra inputs are checked for their device too."""
+    q, k, v = t(6, 2, 8), t(7, 2, 8), t(7, 2, 8)
+    cu_q, cu_k = torch.tensor([0, 6], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be on cpu, got meta"):
+        attention_ext.flash_attn_varlen_func(q, k, v, cu_q.to("meta"), cu_k, 6, 7)
+    with pytest.raises(RuntimeError, match=r"cu_seqlens_k must be on cpu, got meta"):  # the op itself
+        torch.ops.attention_ext.attention_varlen_fwd(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cu_q,
+                                                     cu_k.to("meta"), 6, 7, 0.3, 0, -1, -1, 0.0, None, None, 0.0, None)
+    out, lse = torch.ops.attention_ext.attention_fwd(q, q, q, None, 0.3, 0, -1, -1, 0.0, None, None, 0.0, None)
+    with pytest.raises(RuntimeError, match=r"grad_lse must be on cpu, got meta"):
+        torch.ops.attention_ext.attention_bwd(out, lse.to("meta"), q, q, q, None, out, lse, 0.3, 0, -1, -1, 0.0, None,
+                                              None, 0.0, None, False)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"block_table must be on cpu, got meta"):
+        torch.ops.attention_ext.attention_kvcache_fwd(t(1, 2, 1, 1, 8), t(2, 2, 1, 4, 8), t(2, 2, 1, 4, 8),
+                                                      torch.tensor([5], dtype=torch.int32), None, None,
+                                                      table.to("meta"), 0.3, 0, -1, -1, 0.0, None)
+    # All on meta is shape inference, and works.
+    assert attention_ext.flash_attn_varlen_func(*(x.to("meta") for x in (q, k, v, cu_q, cu_k)), 6, 7).is_meta
+
+
+@pytest.mark.parametrize("call", [
+    lambda q: attention_ext.attention(q, q, q, return_lse="no"),
+    lambda q: attention_ext.attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool), return_lse=torch.tensor(False)),
+    lambda q: attention_ext.flash_attn_func(q, q, q, return_attn_probs="False"),
+    lambda q: attention_ext.varlen_attention(q[0], q[0], q[0], *[torch.tensor([0, 3], dtype=torch.int32)] * 2, 3, 3,
+                                             return_lse="no"),
+], ids=["attention", "attention full path", "flash_attn_func", "varlen_attention"])
+def test_return_flags_must_be_bools(call):
+    """A truthy string is not True: it would silently change the return type."""
+    with pytest.raises(TypeError, match=r"must be a bool, got (str|torch\.Tensor)"):
+        call(t(1, 3, 2, 4))
+
+
+@pytest.mark.parametrize("window_size", ["20", (1.9, 0), (float("inf"), 0), (torch.tensor(2), 0), 5])
+def test_flash_window_size_must_be_a_pair_of_ints(window_size):
+    q = t(1, 5, 2, 8)
+    with pytest.raises(TypeError, match=r"window_size must be a pair of ints \(left, right\)"):
+        attention_ext.flash_attn_func(q, q, q, window_size=window_size)
+
+
+def test_messages_name_what_the_caller_passed():
+    # FlashAttention's layout is what the message shows, not the transposed view the kernels get.
+    with pytest.raises(ValueError, match=r"q and k must have the same head_dim, got q \(2, 5, 4, 8\) and k \(2, 6, 2, 4\)"):
+        attention_ext.flash_attn_func(t(2, 5, 4, 8), t(2, 6, 2, 4), t(2, 6, 2, 4))
+    with pytest.raises(ValueError, match=r"causal must be None, 'top_left' or 'bottom_right', got \['top_left'\]"):
+        attention_ext.attention(t(2, 3, 4), t(2, 3, 4), t(2, 3, 4), causal=["top_left"])
+    q = t(1, 2, 3, 4)
+    with pytest.raises(TypeError, match=r"query must be a dense \(strided\) tensor, got layout torch.sparse_coo"):
+        attention_ext.attention(q.to_sparse(), q, q)
+    with pytest.raises(TypeError, match=r"dropout_mask shape must be a tuple of ints >= 0"):
+        attention_ext.dropout_mask(torch.tensor([1, 2]), (2.7, 3.9), 0.1)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"max_seqlen_q must be an int in \[0, 2\*\*63\)"):
+        attention_ext.flash_attn_varlen_func(t(4, 2, 8), t(4, 2, 8), t(4, 2, 8), cu, cu, 2 ** 63, 4)

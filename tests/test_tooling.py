@@ -131,3 +131,15 @@ def test_meta_tensors_give_shapes_without_computing():
     v = torch.empty(2, 2, 7, 3, device="meta")
     out, lse = attention_ext.attention(q, k, v, enable_gqa=True, return_lse=True)
     assert out.shape == (2, 4, 5, 3) and out.device.type == "meta" and lse.shape == (2, 4, 5)
+
+
+def test_the_check_command_runs_and_refuses_a_device_it_cannot_check(capsys):
+    """`python -m attention_ext check`: a passing matrix exits 0; a device this build or machine
+    cannot run is an error, not "0 passed, 0 failed"."""
+    from attention_ext.__main__ import main
+    assert main(["check", "--quick", "--device", "cpu", "--dtype", "float64"]) == 0
+    assert " 0 failed" in capsys.readouterr().out
+    if attention_ext.build_info()["cuda"] == "1" and torch.cuda.is_available():
+        pytest.skip("this build and machine can check CUDA")
+    with pytest.raises(SystemExit, match=r"--device cuda cannot be checked"):
+        main(["check", "--device", "cuda"])
