@@ -16,11 +16,14 @@ any block_size >= 1. heads is a multiple of kv_heads (GQA/MQA, no copies). Per b
      indices: they count from the cache's first slot, not from cache_leftpad[b], as FlashAttention's;
   2. q attends to the keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new) of cache row
      cache_batch_idx[b] (default b), causal and window aligned bottom-right, softcap and ALiBi as in
-     flash_attn_func.
+     flash_attn_func; a window side at least as long as the cache bounds nothing (FlashAttention's
+     rule).
 Returns out (batch, seqlen_q, heads, head_dim_v), and softmax_lse (batch, heads, seqlen_q) with
-return_softmax_lse=True. Inference only: inputs that require grad (with grad mode on) are refused.
-Every write is checked first: a cache overflow (cache_seqlens + seqlen_new beyond the cache) or a
-block id outside the cache raises before anything is written.
+return_softmax_lse=True. Inference only: inputs that require grad (with grad mode on), or that carry
+forward-mode tangents, are refused (vmap works: torch runs the call once per entry). Every write is
+checked first: a cache overflow (cache_seqlens + seqlen_new beyond the cache), a block id outside the
+cache anywhere an entry reads or writes, or an expanded (stride-0) cache to append to raises before
+anything is written.
 
 The CPU decode kernel reads a paged cache through its block table (calls of up to 8 query rows);
 longer calls, and the CUDA kernels, copy each entry's blocks into one contiguous tensor first.
@@ -37,6 +40,7 @@ from . import _arguments
 from ._constants import lse_dtype
 from ._ops import ops
 from .api import _check_scale, _check_softcap
+from .function import forward_ad_possible
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -46,6 +50,10 @@ def _kvcache_fwd_fake(query, k_cache, v_cache, cache_seqlens, cache_batch_idx, c
                       causal, window_left, window_right, softcap, alibi_slopes):
     check = _arguments.check_traced
     _arguments.qkv_rules(check, query, k_cache, v_cache)
+    for t, name in ((cache_seqlens, "cache_seqlens"), (cache_batch_idx, "cache_batch_idx"),
+                    (cache_leftpad, "cache_leftpad"), (block_table, "block_table"), (alibi_slopes, "alibi_slopes")):
+        if t is not None:
+            _arguments.device_rule(check, t, name, query.device, cpu_ok=name != "alibi_slopes")
     _arguments.scale_rules(check, scale, query.dtype)
     _arguments.softcap_rules(check, softcap, query.dtype)
     heads = torch.broadcast_shapes(query.shape[1:-2], k_cache.shape[1:-2], v_cache.shape[1:-2])
@@ -70,7 +78,7 @@ def _per_entry(t, name, batch, device):
         got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         _fail(TypeError, f"{name} must be an int32 tensor of shape ({batch},), got {got}")
     if t.device.type != "cpu" and t.device != device:
-        _fail(ValueError, f"{name} must be on {device} (or the CPU), got {t.device}")
+        _fail(ValueError, f"{name} must be on {device}{'' if device.type == 'cpu' else ' (or the CPU)'}, got {t.device}")
     return t.tolist()
 
 
@@ -91,14 +99,33 @@ def _rotate(x, cos, sin, positions, interleaved):
     return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
+def _refuse_forward_ad(named):
+    """no_grad does not stop forward-mode AD, and the op has no jvp: its tangents would be dropped
+    (vmap is fine: torch runs the op once per batch entry)."""
+    for t, name in named:
+        if isinstance(t, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
+            _fail(NotImplementedError, f"{name} carries a forward-mode tangent: this inference function has no "
+                                       "forward-mode AD")
+    stack = getattr(torch._C._functorch, "get_interpreter_stack", lambda: None)()
+    if stack and any(level.key() == torch._C._functorch.TransformType.Jvp for level in stack):
+        _fail(NotImplementedError, "called under torch.func.jvp / jacfwd: this inference function has no forward-mode "
+                                   "AD")
+
+
 def _check_tensors(q, k_cache, v_cache, k, v, paged):
-    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+    if (k is None) != (v is None):
+        _fail(ValueError, "k and v must be given together (the new keys and values to append)")
+    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")) + (((k, "k"), (v, "v")) if k is not None
+                                                                             else ()):
+        if name in ("k", "v") and not isinstance(t, torch.Tensor):
+            _fail(TypeError, f"{name} must be a torch.Tensor (batch, seqlen_new, kv_heads, head_dim) or None, got "
+                             f"{type(t).__name__}")
+        if name in ("k", "v"):
+            continue  # (their shape is checked against the cache's below)
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             layout = "(num_blocks, block_size" if paged and name != "q" else "(batch, seqlen"
             _fail(ValueError, f"{name} must be a 4-D tensor {layout}, heads, head_dim), got {got}")
-    if (k is None) != (v is None):
-        _fail(ValueError, "k and v must be given together (the new keys and values to append)")
     tensors = [(q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")] + ([(k, "k"), (v, "v")] if k is not None else [])
     for t, name in tensors:
         if t.dtype != q.dtype or t.device != q.device:
@@ -109,9 +136,11 @@ def _check_tensors(q, k_cache, v_cache, k, v, paged):
                                 "torch.no_grad() or pass detached tensors")
     if q.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
         _fail(TypeError, f"q must be float64, float32, float16 or bfloat16, got {q.dtype}")
-    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[-1] != q.shape[-1]:
+    if k_cache.shape[:3] != v_cache.shape[:3]:
         _fail(ValueError, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must share their first "
-                          f"three dims, and k_cache q's head dim {q.shape[-1]}")
+                          "three dims")
+    if k_cache.shape[-1] != q.shape[-1]:
+        _fail(ValueError, f"k_cache must have q's head dim {q.shape[-1]}, got k_cache {tuple(k_cache.shape)}")
     heads, kv_heads = q.shape[2], k_cache.shape[2]
     _arguments.head_groups_rule(_arguments.enforce, heads, kv_heads, "the cache")
     if k is not None:
@@ -129,6 +158,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """FlashAttention 2's flash_attn_with_kvcache (see the module docstring)."""
     paged = block_table is not None
     _check_tensors(q, k_cache, v_cache, k, v, paged)
+    if k is not None:  # (torch's own in-place ops refuse such a tensor too)
+        for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+            shared = [dim for dim in range(4) if cache.stride(dim) == 0 and cache.shape[dim] > 1]
+            if shared:
+                _fail(ValueError, f"{name} is an expanded view (stride 0 in dim {shared[0]}, shape "
+                                  f"{tuple(cache.shape)}): appending k / v would write one memory row for several "
+                                  "entries; give the cache its own memory (e.g. .clone())")
+    if forward_ad_possible():
+        _refuse_forward_ad(((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (k, "k"), (v, "v"),
+                            (rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")))
     batch, seqlen_q, heads, _ = q.shape
     if paged and (k_cache.shape[0] == 0 or k_cache.shape[1] == 0):
         _fail(ValueError, f"a paged k_cache needs at least one block of at least one slot, got shape "
@@ -150,12 +189,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
                 or block_table.shape[0] != batch:
             _fail(TypeError, f"block_table must be an int32 tensor of shape ({batch}, max_blocks)")
+        if block_table.device.type != "cpu" and block_table.device != device:
+            _fail(ValueError, f"block_table must be on {device}{'' if device.type == 'cpu' else ' (or the CPU)'}, got "
+                              f"{block_table.device}")
         if cache_batch_idx is not None:
             _fail(ValueError, "cache_batch_idx cannot be combined with block_table (the table names each "
                               "entry's blocks)")
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         capacity = k_cache.shape[1]
+    # FlashAttention's rule: a window side at least as long as the cache bounds nothing (-1), for
+    # the mask as for rotary's choice of positions below.
+    window_left = -1 if window_left >= capacity else window_left
+    window_right = -1 if window_right >= capacity else window_right
     new = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
         if k is not None:
@@ -168,9 +214,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rows = _per_entry(cache_batch_idx, "cache_batch_idx", batch, device) or list(range(batch))
     leftpad = _per_entry(cache_leftpad, "cache_leftpad", batch, device) or [0] * batch
     for b in range(batch):
-        if not 0 <= lengths[b] or lengths[b] + new > capacity:
+        if lengths[b] < 0:
+            _fail(ValueError, f"cache_seqlens[{b}] = {lengths[b]} must be >= 0")
+        if lengths[b] + new > capacity:
             _fail(ValueError, f"cache_seqlens[{b}] = {lengths[b]} plus {new} new keys overflows the cache's {capacity} "
                               "positions")
+        if lengths[b] + new >= 2 ** 31:  # (the kernels take the ends as int32, as FlashAttention)
+            _fail(ValueError, f"cache_seqlens[{b}] = {lengths[b]} plus {new} new keys is beyond the int32 positions "
+                              "the kernels take")
         if not 0 <= leftpad[b] <= lengths[b] + new:
             _fail(ValueError, f"cache_leftpad[{b}] = {leftpad[b]} must be in [0, {lengths[b] + new}]")
         if not paged and not 0 <= rows[b] < k_cache.shape[0]:
@@ -179,6 +230,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                   "pass cache_batch_idx to say which cache row each entry uses")
             _fail(IndexError, f"cache_batch_idx[{b}] = {rows[b]} is outside the cache's {k_cache.shape[0]} rows")
 
+    if paged and batch > 0:
+        # Every block an entry reads or writes, [min(leftpad, length), length + new), must be in
+        # the cache: checked before anything is written (the op checks the ones it reads again).
+        size, blocks = k_cache.shape[1], k_cache.shape[0]
+        on = block_table.device
+        first = torch.tensor([min(pad, length) // size for pad, length in zip(leftpad, lengths)], device=on)
+        stop = torch.tensor([-(-(length + new) // size) for length in lengths], device=on)
+        column = torch.arange(block_table.shape[1], device=on)
+        used = (column >= first[:, None]) & (column < stop[:, None])
+        bad = used & ((block_table < 0) | (block_table >= blocks))
+        if bool(bad.any()):
+            b, j = (int(i) for i in bad.nonzero()[0])
+            _fail(IndexError, f"block_table[{b}, {j}] = {int(block_table[b, j])} is outside the cache's {blocks} "
+                              f"blocks (entry {b} uses its blocks {int(first[b])}..{int(stop[b]) - 1})")
     # Every rule that can refuse the call, before anything is written (the op checks them again).
     _arguments.band_rules(_arguments.enforce, 2 if causal else 0, window_left, window_right, seqlen_q, capacity)
     _arguments.softcap_rules(_arguments.enforce, softcap, q.dtype)
@@ -202,12 +267,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if rotary_cos is not None or rotary_sin is not None:
         if rotary_cos is None or rotary_sin is None or k is None:
             _fail(ValueError, "rotary_cos and rotary_sin go together and only with new k / v to rotate")
+        for table, name in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
+            if not isinstance(table, torch.Tensor) or not table.is_floating_point() or table.device != device:
+                got = f"{table.dtype} on {table.device}" if isinstance(table, torch.Tensor) else type(table).__name__
+                _fail(TypeError, f"{name} must be a floating tensor on {device}, got {got}")
+        # (tables that require grad would record the rotation and the cache writes in a graph)
+        rotary_cos, rotary_sin = rotary_cos.detach(), rotary_sin.detach()
         if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or 2 * rotary_cos.shape[1] > q.shape[-1]:
             _fail(ValueError, f"rotary_cos / rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
                               f"head_dim ({q.shape[-1]}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-        # FlashAttention takes a window side as long as the cache for none (it hides no key), and
-        # rotates q row by row only for a causal or windowed call.
-        local = causal or any(0 <= side < capacity for side in (window_left, window_right))
+        # FlashAttention rotates q row by row only for a causal or windowed call.
+        local = causal or window_left >= 0 or window_right >= 0
         q_positions = start + (torch.arange(seqlen_q, device=device) if local
                                else torch.zeros(seqlen_q, dtype=torch.int64, device=device))
         last = max([int(positions.max()) if new else -1] + [int(q_positions.max()) if seqlen_q else -1])
@@ -219,11 +289,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k is not None and new > 0:
         if paged:
             table = block_table.to(device=device, dtype=torch.int64)
-            blocks = table.gather(1, positions // k_cache.shape[1])
-            if bool(((blocks < 0) | (blocks >= k_cache.shape[0])).any()):
-                _fail(IndexError, f"block_table names a block outside the cache's {k_cache.shape[0]} blocks where the "
-                                  "new keys go")
-            index = (blocks, positions % k_cache.shape[1])
+            index = (table.gather(1, positions // k_cache.shape[1]), positions % k_cache.shape[1])
         else:
             index = (torch.tensor(rows, device=device).unsqueeze(-1).expand(batch, new), positions)
         k_cache.index_put_(index, k)

@@ -285,18 +285,26 @@ BAD = [
     (dict(requires_grad=True), RuntimeError, "inference function"),
     (dict(dtype_mismatch=True), TypeError, "must have q's dtype"),
     (dict(window_size=(-3, 0)), ValueError, "window_size values"),
-    (dict(bad_block=True), IndexError, "block outside the cache"),
+    (dict(bad_block=True), IndexError, r"block_table\[2, 0\] = 99 is outside the cache's 23 blocks"),
     (dict(alibi_slopes=torch.ones(3)), TypeError, r"alibi_slopes must be float32 of shape \(4,\)"),
     (dict(five_entries=True), IndexError, "larger than the cache's 4 rows: pass cache_batch_idx"),
     (dict(softcap=1e39), ValueError, "softcap must be within the"),
-    (dict(window_size=(2 ** 63 - 1, -1)), ValueError, r"window bounds must be at most 2\*\*62"),
+    (dict(bad_read_block=True), IndexError, r"block_table\[0, 0\] = 99 is outside the cache's 23 blocks"),
+    (dict(meta_table=True), ValueError, "block_table must be on cpu, got meta"),
+    (dict(expanded=True), ValueError, r"k_cache is an expanded view \(stride 0 in dim 0"),
+    (dict(rotary_int=True), TypeError, "rotary_cos must be a floating tensor on cpu, got torch.int64"),
+    (dict(k_list=True), TypeError, "k must be a torch.Tensor"),
+    (dict(cache_seqlens=-1), ValueError, r"cache_seqlens\[0\] = -1 must be >= 0"),
 ]
 
 
 @pytest.mark.parametrize("bad,error,message", BAD, ids=[b[2][:28] for b in BAD])
 def test_bad_arguments_raise_before_anything_is_written(bad, error, message):
-    cache = Cache(4, 50, 2, 8, torch.float32, 10 if bad.get("bad_block") else None, torch.Generator().manual_seed(0))
+    paged = any(bad.get(key) for key in ("bad_block", "bad_read_block", "meta_table"))
+    cache = Cache(4, 50, 2, 8, torch.float32, 10 if paged else None, torch.Generator().manual_seed(0))
     k_cache, v_cache, extra = cache.tensors()
+    if bad.get("expanded"):  # every entry's row one memory row
+        k_cache, v_cache = (t[:1].expand_as(t) for t in (k_cache, v_cache))
     before = k_cache.clone()
     q = torch.randn(3, 1, 4, 8)
     new = bad.get("new", 1)
@@ -316,12 +324,70 @@ def test_bad_arguments_raise_before_anything_is_written(bad, error, message):
         q.requires_grad_()
     if bad.get("dtype_mismatch"):
         k_new = k_new.double()
-    if bad.get("bad_block"):
+    if bad.get("bad_block") or bad.get("bad_read_block") or bad.get("meta_table"):
         extra["block_table"] = extra["block_table"][:3].clone()
+    if bad.get("bad_block"):  # where entry 2's new key goes
         extra["block_table"][2, 0] = 99
+    if bad.get("bad_read_block"):  # a block entry 0 only reads (its new key goes to block 1)
+        kwargs["cache_seqlens"] = torch.tensor([12, 2, 3], dtype=torch.int32)
+        extra["block_table"][0, 0] = 99
+    if bad.get("meta_table"):
+        extra["block_table"] = extra["block_table"].to("meta")
+    if bad.get("rotary_int"):
+        kwargs.update(rotary_cos=torch.ones(60, 4, dtype=torch.int64), rotary_sin=torch.zeros(60, 4, dtype=torch.int64))
+    if bad.get("k_list"):
+        k_new = k_new.tolist()
     with pytest.raises(error, match=message):
         flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **extra, **kwargs)
     assert torch.equal(k_cache, before)
+
+
+def test_rotary_tables_that_require_grad_leave_no_graph_on_the_cache():
+    """Only the inputs are refused when they require grad; tables that do must not make the rotated
+    keys, and so the cache they are written into, part of a graph (the next step would then be
+    refused as a cache that requires grad)."""
+    k_cache, v_cache = torch.zeros(1, 8, 1, 4), torch.zeros(1, 8, 1, 4)
+    cos, sin = (t.requires_grad_() for t in rotary_tables(8, 4))
+    for step in range(2):
+        out = flash_attn_with_kvcache(torch.randn(1, 1, 1, 4), k_cache, v_cache, torch.randn(1, 1, 1, 4),
+                                      torch.randn(1, 1, 1, 4), cos, sin, cache_seqlens=step)
+        assert not k_cache.requires_grad and k_cache.grad_fn is None and not out.requires_grad
+
+
+def test_forward_mode_ad_is_refused_and_vmap_runs_per_entry():
+    """no_grad does not stop forward-mode AD: without a jvp its tangent would be dropped (None,
+    or zeros under torch.func.jvp), so it is refused. vmap has torch run the call per entry."""
+    import torch.autograd.forward_ad as fwAD
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 1, 1, 2, 8, generator=g)
+    k_cache, v_cache = torch.randn(1, 8, 2, 8, generator=g), torch.randn(1, 8, 2, 8, generator=g)
+
+    def call(x):
+        return flash_attn_with_kvcache(x, k_cache, v_cache, cache_seqlens=5)
+
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="q carries a forward-mode tangent"):
+        call(fwAD.make_dual(q[0], q[1]))
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(call, (q[0],), (q[1],))
+    assert torch.equal(torch.vmap(call)(q), torch.stack([call(x) for x in q]))
+
+
+def test_a_window_side_as_long_as_the_cache_bounds_nothing():
+    """FlashAttention's rule: a side >= the cache's capacity is -1. Here the right side of 4 on a
+    cache of 4 slots would otherwise hide keys from the first rows of an 8-row call (their band
+    ends at i + m - n + 4 < m)."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 8, 2, 8, generator=g, dtype=torch.float64)
+    k_cache, v_cache = (torch.randn(1, 4, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    plain = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, return_softmax_lse=True)
+    for window in ((-1, 4), (4, -1), (9, 100), (2 ** 63 - 1, -1)):
+        got = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, window_size=window,
+                                      return_softmax_lse=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, plain)), window
+    # One less is a bound: rows 0-2 then see no key (output 0, lse -inf).
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, window_size=(-1, 3),
+                                       return_softmax_lse=True)
+    assert torch.isneginf(lse[0, :, 0]).all() and torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
 
 
 def test_bad_direct_op_calls_never_crash():
