@@ -53,13 +53,23 @@ __all__ = ["register", "attention_forward", "mask_function", "CausalKeyMask", "c
 calls = 0
 
 
+# The oldest transformers the integration is tested with: 5.13's mask interface hands over
+# calls that reach the kernels as (batch, 1, n, m) masks instead of masks over the keys.
+MIN_TRANSFORMERS = "5.14"
+
+
 def register(name: str = "attention_ext") -> str:
     """Registers the attention and mask functions with transformers under `name` and returns it."""
     try:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
+        import transformers
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("attention_ext.hf needs transformers: pip install 'attention_ext[hf]'") from e
+    from packaging.version import Version  # (a dependency of transformers)
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise ImportError(f"attention_ext.hf needs transformers >= {MIN_TRANSFORMERS}, found {transformers.__version__}: "
+                          f"pip install -U 'transformers>={MIN_TRANSFORMERS}'")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
     if not isinstance(name, str) or not name:
         raise TypeError(f"attention_ext.hf.register: name must be a non-empty string, got {name!r}")
     AttentionInterface.register(name, attention_forward)

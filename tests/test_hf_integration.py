@@ -434,3 +434,13 @@ def test_register_returns_the_name_and_checks_it():
     assert hf.register("attention_ext_again") == "attention_ext_again"
     with pytest.raises(TypeError, match="name must be a non-empty string"):
         hf.register("")
+
+
+def test_an_older_transformers_is_named_with_the_version_it_needs(monkeypatch):
+    """Below the oldest release the suite passes with, register() says which version it needs
+    (installing the extra alone would not upgrade an older transformers already there)."""
+    import sys
+    # (the module register() imports: transformers replaces its own sys.modules entry on the way)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.13.1")
+    with pytest.raises(ImportError, match=rf"needs transformers >= {hf.MIN_TRANSFORMERS}, found 5.13.1"):
+        hf.register("attention_ext_old")
