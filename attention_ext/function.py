@@ -146,7 +146,11 @@ def sink_gradient(sinks, lse, out, grad_out, grad_lse):
     delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1) if grad_out is not None else torch.zeros_like(lse)
     if grad_lse is not None:
         delta = delta - grad_lse
-    weight = torch.exp(sinks[..., None] - lse)
+    # exp(sink − lse) <= 1 exactly; capped at 1 because a sink that dominates its row can sit an
+    # lse's rounding above it, and at |lse| ~ 1e11 (float) that ulp is past exp's range (inf).
+    sink = sinks[..., None]
+    weight = torch.exp((sink - lse).clamp(max=0.0))
+    weight = torch.where(sink == lse, torch.ones_like(weight), weight)  # (a sink of +inf: lse +inf, weight 1)
     weight = torch.where(torch.isneginf(lse), torch.zeros_like(weight), weight)  # (sinks of −inf)
     return (-(weight * delta)).sum(-1).sum_to_size(sinks.shape)
 

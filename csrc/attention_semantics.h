@@ -138,7 +138,8 @@ ATTN_HD inline A inverse_row_sum(A l) {
   return l > A(0) ? A(1) / l : (l == A(0) ? A(0) : static_cast<A>(NAN));
 }
 // A row's running max m and sum l (log2 units) with its sink s (log2 units; −inf: none) folded in
-// as one more key: M = max(m, s), l' = l·2^(m−M) + 2^(s−M). A NaN row stays NaN.
+// as one more key: M = max(m, s), l' = l·2^(m−M) + 2^(s−M). A NaN row stays NaN; a sink of +inf
+// takes the whole row (M = +inf, l' = 1: output 0, lse +inf, the limit of a growing sink).
 template <typename A>
 struct RowStats {
   A m, l;
@@ -146,6 +147,7 @@ struct RowStats {
 template <typename A>
 ATTN_HD inline RowStats<A> with_sink(A m, A l, A s) {
   if (s == neg_inf<A>() || !(l == l)) return {m, l};
+  if (s == -neg_inf<A>()) return {s, A(1)};
   const A top = m > s ? m : s;
   return {top, l * rescale_factor(m, top) + exp2_acc(s - top)};
 }

@@ -211,7 +211,11 @@ at::Tensor sink_gradient(const at::Tensor& sinks, const at::Tensor& out, const a
   const at::ScalarType acc = lse.scalar_type();
   at::Tensor delta = grad_out.to(acc).mul(out.to(acc)).sum(-1);
   if (grad_lse.has_value() && grad_lse->defined()) delta = delta.sub(grad_lse->to(acc));
-  const at::Tensor weight = sinks.to(acc).unsqueeze(-1).sub(lse).exp().masked_fill(lse.isneginf(), 0.0);
+  // exp(sink − lse) <= 1, capped there: a dominant sink can sit an lse's rounding above it.
+  // A sink of +inf has lse +inf and weight 1; a row with lse −inf has none.
+  const at::Tensor sink = sinks.to(acc).unsqueeze(-1);
+  const at::Tensor weight =
+      sink.sub(lse).clamp_max(0.0).exp().masked_fill(sink.eq(lse), 1.0).masked_fill(lse.isneginf(), 0.0);
   const at::Tensor rows = weight.mul(delta);
   return rows.sum(-1).neg().sum_to_size(sinks.sizes()).to(sinks.scalar_type());
 }

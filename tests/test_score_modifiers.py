@@ -261,6 +261,54 @@ def test_a_sink_far_from_the_scores_is_exact(sink):
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-12)
 
 
+def test_a_sink_of_plus_infinity_takes_the_whole_row():
+    """The limit of a growing sink: its row's output 0 and lse +inf, no NaN, and gradients that are
+    the limit's (nothing into q, k, v; d lse / d sink = 1 per row). The other head is unaffected."""
+    q, k, v = inputs(5, 12, 8, torch.float64, batch=(2,), requires_grad=True)
+    sinks = torch.tensor([float("inf"), 0.5], dtype=torch.float64, requires_grad=True)
+    out, lse = attention_ext.attention(q, k, v, sinks=sinks, return_lse=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isposinf(lse[0]).all()
+    assert torch.equal(attention_ext.attention_weights(q, k, sinks=sinks)[0], torch.zeros(5, 12, dtype=torch.float64))
+    ref, ref_lse, _ = attention_reference(q[1:], k[1:], v[1:], sinks=sinks[1:])
+    torch.testing.assert_close(out[1:], ref, rtol=1e-12, atol=1e-14)
+    grads = torch.autograd.grad(out.sum() + lse[0].sum() + lse[1].sum(), (q, k, v, sinks))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert all(torch.equal(g[0], torch.zeros_like(g[0])) for g in grads[:3])
+    assert grads[3][0].item() == 5.0
+
+
+@pytest.mark.parametrize("dtype,sink", [(torch.float32, 1e11), (torch.float32, 1e12), (torch.float64, 1e30)], ids=str)
+def test_a_sink_that_dominates_its_row_has_d_lse_d_sink_exactly_one_per_row(dtype, sink):
+    """The lse may round below such a sink by an ulp larger than exp's range: the sink's weight is
+    capped at 1 (it is a probability), not exp(ulp) = inf."""
+    q, k, v = inputs(3, 4, 4, dtype, batch=(1,))
+    sinks = torch.tensor([sink], dtype=dtype, requires_grad=True)
+    _, lse = attention_ext.attention(q, k, v, sinks=sinks, return_lse=True)
+    (grad,) = torch.autograd.grad(lse.sum(), sinks)
+    assert grad.item() == 3.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("softcap", [1e3, 1e8, 1e20], ids=str)
+@pytest.mark.parametrize("n", [3, 70], ids=["decode", "tiled"])
+def test_a_softcap_far_above_the_scores_leaves_them_as_they_are(dtype, softcap, n):
+    """softcap·tanh(t / softcap) tends to t as the cap grows. The vector tanh takes a small argument
+    by its series: (1 − e) / (1 + e) would cancel, losing digits in proportion to the cap (1e-8 of
+    error at a cap of 1e8 in float64, uniform weights at 1e20)."""
+    q, k, v = inputs(n, 40, 16, dtype, batch=(2,), requires_grad=True)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    out = attention_ext.attention(q, k, v, softcap=softcap)
+    ref = attention_reference(q, k, v, softcap=softcap)[0]
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    weights = attention_ext.attention_weights(q, k, softcap=softcap)
+    torch.testing.assert_close(weights.double(), attention_reference(q, k, v, softcap=softcap)[2], rtol=tol, atol=tol)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad.double())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b.double(), rtol=10 * tol, atol=10 * tol)
+
+
 def test_low_precision_sinks_are_converted_and_get_their_gradient_back():
     """bf16 sinks are taken in the lse dtype (float32) and their gradient comes back in bf16, as
     accurate as that rounding allows."""
