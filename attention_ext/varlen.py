@@ -174,7 +174,9 @@ def _per_head(values, name, heads, kv_heads, sequences, dtype):
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale=None, causal=False,
                      window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, return_lse=False):
     """Attention over packed sequences (see the module docstring). window=(left, right), -1 or None
-    unbounded, bottom-right aligned per sequence; causal=True bounds the right side at 0. softcap
+    unbounded, bottom-right aligned per sequence; causal=True (or "bottom_right", attention()'s name
+    for it) bounds the right side at 0; top-left is not offered (per sequence it is the same rule
+    only when a sequence has as many queries as keys). softcap
     (0: none), alibi_slopes (float32, (heads,) or (sequences, heads)) and sinks ((heads,), a logit
     per head joining each row's softmax with value 0; differentiable) as in attention().
     max_seqlen_q / max_seqlen_k must be at least the longest sequence (checked)."""
@@ -192,6 +194,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     for cu, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"attention_ext: {name} must be a torch.Tensor, got {type(cu).__name__}")
+    if causal is None or isinstance(causal, str):  # attention()'s spelling of the same choice
+        if causal not in (None, "bottom_right"):
+            raise ValueError(f"attention_ext: causal for packed sequences is True / 'bottom_right' (aligned per "
+                             f"sequence, as FlashAttention's) or False / None, got {causal!r}")
+        causal = causal is not None
     causal = _arguments.flag(causal, "causal")
     return_lse = _arguments.flag(return_lse, "return_lse")
     causal_code = 2 if causal else 0

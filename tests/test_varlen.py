@@ -299,6 +299,9 @@ BAD = [
     (dict(alibi_slopes=torch.rand(4, dtype=torch.float64)), TypeError, "alibi_slopes must be float32"),
     (dict(k_heads=3), ValueError, "must be a multiple"),
     (dict(q_dims=4), ValueError, "packed layout"),
+    (dict(causal="top_left"), ValueError, r"causal for packed sequences is True / 'bottom_right'"),
+    (dict(causal="yes"), ValueError, r"causal for packed sequences is True / 'bottom_right'"),
+    (dict(causal=1.0), TypeError, "causal must be a bool"),
 ]
 
 
@@ -309,9 +312,16 @@ def test_bad_arguments_raise_clear_errors(bad, error, message):
         k = v = rand(6, bad["k_heads"], 8)
     if "q_dims" in bad:
         q = q.unsqueeze(0)
-    kwargs = {key: bad[key] for key in ("window", "alibi_slopes") if key in bad}
+    kwargs = {key: bad[key] for key in ("window", "alibi_slopes", "causal") if key in bad}
     with pytest.raises(error, match=message):
         varlen_attention(q, k, v, bad.get("cu_q", cu_q), cu_k, bad.get("max_q", 3), 4, **kwargs)
+
+
+def test_causal_takes_attention_s_names_for_its_two_choices():
+    q, k, v, cu_q, cu_k = packed_inputs([3, 3], [4, 2], 4, 2, 8)
+    for causal, same_as in (("bottom_right", True), (None, False)):
+        assert torch.equal(varlen_attention(q, k, v, cu_q, cu_k, 3, 4, causal=causal),
+                           varlen_attention(q, k, v, cu_q, cu_k, 3, 4, causal=same_as))
 
 
 def test_the_signatures_are_flash_attentions():
