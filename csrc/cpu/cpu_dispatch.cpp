@@ -47,19 +47,22 @@ const KernelTable& kernels_avx512bf16() {
 #endif
 
 #if defined(__x86_64__) || defined(_M_X64)
+// Every feature isa_begin.h's target() lists for a variant is checked, not only the vector width:
+// the compiler uses F16C (fp16 conversions) and BMI2 (shlx, rorx) in both variants, and a
+// hypervisor's CPU model may offer AVX2 and FMA without them.
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+         __builtin_cpu_supports("bmi2");
+}
 bool has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && has_avx2();
 }
 bool has_avx512bf16() {
   __builtin_cpu_init();
   return has_avx512() && __builtin_cpu_supports("avx512bf16");
-}
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 #endif
 bool always() { return true; }

@@ -85,12 +85,24 @@ int64_t query_tiles(const AttentionParams& p) { return p.batch_numel * ceil_div(
 
 // The fused backward (one pass per key owner) saves recomputing S and dP but parallelises only
 // over key owners; the split one parallelises over tiles. Both give bitwise identical results,
-// so the choice may follow the thread count. ATTENTION_EXT_CPU_BACKWARD=fused|split forces one.
+// so the choice may follow the thread count and the memory. ATTENTION_EXT_CPU_BACKWARD=fused|split
+// forces one.
+// Each thread of the fused pass holds dQ of every query its key owner serves: n rows per
+// broadcast position (the query heads of a GQA group, the batch entries sharing a K/V), so
+// G·n·d accumulators. Past kFusedDqScratchBytes per thread (G = 8, n = 16k, d = 64 in float) the
+// split pass runs instead: the fused one would hold that much per thread, and stream it through
+// memory once per key tile as well.
+constexpr int64_t kFusedDqScratchBytes = int64_t{32} << 20;
+
 bool use_fused_backward(const AttentionParams& p, const std::string& forced) {
   if (owners_of(p, p.grad_q) != p.batch_numel) return false;  // query broadcast: dQ rows shared
   if (p.n == 0 || p.m == 0) return false;
   if (!forced.empty()) return forced == "fused";
-  return owners_of(p, p.grad_k) >= 2 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t key_owners = owners_of(p, p.grad_k);
+  const int64_t acc_bytes = p.dtype == ScalarType::kFloat64 ? 8 : 4;
+  const int64_t dq_scratch = (p.batch_numel / key_owners) * ceil_div(p.n, kBlockM) * kBlockM *
+                             ceil_div(imax(p.dk, 1), 16) * 16 * acc_bytes;  // (16: the widest vector's lanes)
+  return key_owners >= 2 * static_cast<int64_t>(at::get_num_threads()) && dq_scratch <= kFusedDqScratchBytes;
 }
 
 // Key ranges of the decode forward (n <= kDecodeRows). A function of the shape alone, never of

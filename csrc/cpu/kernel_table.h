@@ -14,7 +14,8 @@ namespace attention_ext {
 namespace cpu {
 
 // Query rows per work item and keys per inner tile. Fixed across variants, so the partition of
-// the work (and with it the bitwise result) depends only on the shape and the variant.
+// the work (and with it the bitwise result) depends only on the shape, the variant and (the
+// decode's key ranges) the K/V layout: never on the thread count.
 constexpr int64_t kBlockM = 64;
 constexpr int64_t kBlockN = 64;
 // Calls with at most this many query rows take the decode forward (forward_decode below).
