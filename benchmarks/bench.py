@@ -104,9 +104,11 @@ def parse_shape_spec(tok):
 
 
 def fwd_flops(s):
+    """4·B·H·d per visible (query, key) pair: n·m, or with top-left causal half the square part
+    (the usual n²/2 convention for n = m) plus the full rows past it when n > m."""
     B, H, n, m, d, causal, _ = s
-    f = 4.0 * B * H * n * m * d
-    return f * 0.5 if causal else f
+    pairs = min(n, m) ** 2 / 2 + max(n - m, 0) * m if causal else n * m
+    return 4.0 * B * H * pairs * d
 
 
 def mode_flops(s, mode):
@@ -172,7 +174,8 @@ def make_step(fn, s, mode, q, k, v, go):
 # ----------------------------------------------------------------------------------------------
 def time_shape(s, mode, dtype, cands, reps, warmup, min_sample_s):
     """Warm up each candidate, then interleave A B C A B C ... for `reps` rounds.
-    Each sample runs `inner` calls back to back (inner chosen so a sample lasts >= min_sample_s)."""
+    Each sample runs `inner` calls back to back (inner chosen so a sample lasts >= min_sample_s,
+    but at most 1000 calls: a sample of a call under min_sample_s / 1000 is shorter)."""
     q, k, v, go = make_inputs(s, dtype, requires_grad=(mode == "fwdbwd"))
     steps, inner = {}, {}
     for c in cands:
@@ -364,7 +367,8 @@ def run_mem_child(s, mode, dtype_name, cand, timeout=1800):
     env = dict(os.environ)
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(attention_ext.__file__)))
     env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--_mem-child", json.dumps(spec)],
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--threads", str(torch.get_num_threads()),
+                        "--_mem-child", json.dumps(spec)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     if p.returncode != 0:
         return {"error": (p.stderr or p.stdout).strip().splitlines()[-1:] or ["rc=%d" % p.returncode]}
@@ -419,11 +423,15 @@ def render_markdown(res):
     if fma:
         L.append(f"- **measured FMA peak: {fma['gflops']:.1f} GFLOP/s** float32 on {fma['threads']} threads "
                  f"(independent FMA chains in the `{fma['variant']}` variant's vectors, best of "
-                 f"{len(fma['gflops_runs'])}); `% peak` columns are against it")
+                 f"{len(fma['gflops_runs'])}"
+                 + (f"; measured at the start ({fma['start_gflops']:.1f}) and at the end ({fma['end_gflops']:.1f}) "
+                    "of the run, the higher one is used" if "start_gflops" in fma else "")
+                 + "); `% peak` columns are against it")
     if bw:
         L.append(f"- **measured streaming read bandwidth: {bw['gbps']:.1f} GB/s** (sum over {bw['mib']} MiB, median "
                  f"of {bw['reps']}; best {bw['gbps_best']:.1f}); `ours GB/s` counts Q, K, V read and O written once "
-                 f"(and dO, dQ, dK, dV for fwd+bwd)")
+                 f"for the forward, and 3x that for fwd+bwd (the forward's, then the backward reading Q, K, V, O, "
+                 f"dO and writing dQ, dK, dV)")
     L.append(f"- sgemm reference: torch.mm {pk['n']}x{pk['n']} fp32 ({blas}) = **{pk['gflops_median']:.1f} GFLOP/s** "
              f"(median of {pk['reps']}; best {pk['gflops_best']:.1f}{se})")
     over = any(v > 100.0 for r in res["rows"] for v in r["pct_sgemm"].values())
@@ -432,9 +440,20 @@ def render_markdown(res):
         L.append("- **caution:** " + ("the machine was busy (1-min load > 0.5 before the run): absolute times and "
                                       "GFLOP/s are depressed and noisy; the interleaved ratios are the robust part. "
                                       if busy else "")
-                 + ("`% sgemm` above 100 means the sgemm reference was itself caught by load, not that attention "
-                    "beats GEMM." if over else ""))
-    L.append("- FLOPs: fwd = 4·B·H·n·m·d (×0.5 if causal); fwd+bwd = 3.5 × fwd. "
+                 + (("`% sgemm` above 100: bf16 rows are set against fp32 references (the FMA peak and sgemm), "
+                     "and bf16 dot-product instructions (AVX512-BF16's vdpbf16ps, tensor cores) do twice the "
+                     "multiply-adds per fp32 lane or more; above 100 says nothing about load there."
+                     if meta.get("dtype") in ("bfloat16", "float16") else
+                     "`% sgemm` above 100 means the sgemm reference was itself caught by load, not that attention "
+                     "beats GEMM.") if over else ""))
+    bw_over = res.get("bandwidth") and any(100.0 * r["ours_gbps"] / res["bandwidth"]["gbps"] > 100.0
+                                           for r in res["rows"])
+    if bw_over:
+        L.append("- **caution:** `ours % bw` above 100: every call of a shape reads the same K/V, so K/V that fit "
+                 "in the last-level cache stay partly resident from one call to the next and read faster than "
+                 "DRAM (`benchmarks/bench_kvcache.py` gives each decode working set's size beside its GB/s)")
+    L.append("- FLOPs: fwd = 4·B·H·n·m·d (causal: ×0.5 for n = m; in general min(n, m)²/2 + max(n − m, 0)·m "
+             "visible pairs instead of n·m); fwd+bwd = 3.5 × fwd. "
              "`ours/torch`, `ours/naive` = throughput ratio (= their time / our time; > 1 means ours is faster)")
     L.append("- shape = BxHxnxmxd, `c` = causal (top-left). `maxdiff` = max |ours − torch| of the forward output. "
              "`spread %` = (max − min) / median over the reps, worst candidate of the row (a noise flag); "
@@ -646,6 +665,13 @@ def run_device(a, shapes, modes, cands, dtype, reps, min_sample_s, out_prefix):
                 start_gflops_median=peak["gflops_median"], end_gflops_median=peak_end["gflops_median"])
     for row in rows:
         row["pct_sgemm"] = {c: 100.0 * row["gflops"][c] / peak["gflops_median"] for c in cands}
+    if fma:  # the FMA peak likewise: a machine whose capacity drifts would overstate every % of peak
+        fma_end = measure_fma_peak()
+        print(f"[bench] FMA peak again at the end: {fma_end['gflops']:.1f} GFLOP/s", flush=True)
+        fma = dict(fma_end if fma_end["gflops"] > fma["gflops"] else fma, start_gflops=fma["gflops"],
+                   end_gflops=fma_end["gflops"])
+        for row in rows:
+            row["pct_peak"] = {c: 100.0 * row["gflops"][c] / fma["gflops"] for c in cands}
 
     res = {"meta": meta, "sgemm_peak": peak, "fma_peak": fma, "bandwidth": bandwidth, "rows": rows}
     if sweep:

@@ -3,9 +3,11 @@ math, selected with torch.nn.attention.sdpa_kernel), forward and backward, in on
 
 Shapes (B, n) in {(16, 1k), (8, 2k), (4, 4k), (2, 8k)} with H·d = 2048 and d in {64, 128}, causal
 off and on; fp16 and bf16 (targets against flash), fp32 (target against efficient). Timing: CUDA
-events around each call after warm-up, median of --reps. TFLOP/s counts 4·B·H·n²·d for the forward
-(half with causal) and 2.5x that for the backward; "% peak" is against the H100/H200 dense bf16/fp16
-tensor-core peak of 989 TFLOP/s. Writes a markdown table and JSON (to --out PREFIX, default
+events around --inner calls back to back (so the host's per-call work overlaps the GPU's instead of
+being counted), after warm-up, median of --reps samples; the backward is timed alone, repeated on one
+retained graph. TFLOP/s counts 4·B·H·n²·d for the forward (half with causal) and 2.5x that for the
+backward; "% peak" is against the GPU's dense peak for the dtype's units (fp16/bf16: tensor cores;
+fp32: the FP32 pipes, which our fp32 kernels use; see PEAKS_TFLOPS), "n/a" for a GPU not listed. Writes a markdown table and JSON (to --out PREFIX, default
 $OUT/results_gpu when OUT is set) with, per row, every backend's time and ours' speed ratio to it
 (> 1: ours is faster), and a target summary.
 
@@ -38,7 +40,27 @@ import torch.nn.functional as F
 
 import attention_ext
 
-PEAK_TFLOPS = 989.0  # H100/H200 SXM dense fp16/bf16 tensor-core peak
+# Dense peaks in TFLOP/s by device-name fragment: fp16/bf16 on the tensor cores, fp32 on the FP32
+# pipes (no TF32: the fp32 kernels do not use tensor cores). NVIDIA's datasheet figures (SXM parts).
+PEAKS_TFLOPS = {"H200": {"float16": 989.4, "bfloat16": 989.4, "float32": 66.9},
+                "H100": {"float16": 989.4, "bfloat16": 989.4, "float32": 66.9},
+                "A100": {"float16": 312.0, "bfloat16": 312.0, "float32": 19.5}}
+
+
+def peaks_text(device_name):
+    """'float16 989.4, bfloat16 989.4, float32 66.9 TFLOP/s', or that the GPU is not listed."""
+    peaks = next((p for key, p in PEAKS_TFLOPS.items() if key in device_name), None)
+    if peaks is None:
+        return f"{device_name} is not listed in PEAKS_TFLOPS: n/a"
+    return ", ".join(f"{dtype} {value:g}" for dtype, value in peaks.items()) + " TFLOP/s"
+
+
+def peak_tflops(device_name, dtype_name):
+    """The listed dense peak for this GPU and dtype, None if the GPU is not listed."""
+    return next((p.get(dtype_name) for key, p in PEAKS_TFLOPS.items() if key in device_name), None)
+
+
+
 SHAPES = [(16, 1024), (8, 2048), (4, 4096), (2, 8192)]
 HIDDEN = 2048  # H * d
 BACKENDS = ["flash", "efficient", "cudnn", "math"]
@@ -74,20 +96,23 @@ def make_call(name, q, k, v, causal):
 class Timer:
     """Wall time of fn() in ms: CUDA events on the GPU, perf_counter (after nothing) on the CPU."""
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, inner=1):
+        self.device, self.inner = device, inner
 
     def __call__(self, fn):
+        """ms per call of fn, over self.inner calls back to back."""
         if self.device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(self.inner):
+                fn()
             end.record()
             end.synchronize()
-            return start.elapsed_time(end)
+            return start.elapsed_time(end) / self.inner
         t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
+        for _ in range(self.inner):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / self.inner
 
 
 def time_candidate(name, q, k, v, causal, mode, timer, warmup, reps):
@@ -102,11 +127,12 @@ def time_candidate(name, q, k, v, causal, mode, timer, warmup, reps):
     grad = torch.randn_like(q)
     samples = []
     for r in range(warmup + reps):
-        out = call()
-        fn = lambda: torch.autograd.grad(out, (q, k, v), grad)  # noqa: E731
+        out = call()  # (outside the timed region; its graph is kept for the timer's repeated backwards)
+        fn = lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)  # noqa: E731
         t = timer(fn)
         if r >= warmup:
             samples.append(t)
+        del out
     return statistics.median(samples)
 
 
@@ -136,7 +162,7 @@ def run(args, on_row=None):
     """Measures the planned rows until --budget-s is spent; on_row(rows, skipped) after each row."""
     device = args.device
     hidden = HIDDEN if not args.dry_run else 128
-    timer = Timer(device)
+    timer = Timer(device, 1 if args.dry_run else args.inner)
     warmup, reps = (1, 2) if args.dry_run else (args.warmup, args.reps)
     rows, t_start, skipped = [], time.time(), 0
     for dtype_name, mode, d, b, n, causal in plan(args):
@@ -163,7 +189,8 @@ def run(args, on_row=None):
         ours = row["ms"].get("ours")
         if ours:
             row["tflops"] = flops(b, h, n, d, causal, mode) / (ours * 1e-3) / 1e12
-            row["pct_peak"] = 100.0 * row["tflops"] / PEAK_TFLOPS
+            peak = peak_tflops(torch.cuda.get_device_name() if device == "cuda" else "", dtype_name)
+            row["pct_peak"] = None if peak is None else 100.0 * row["tflops"] / peak
         row["ratio"] = {name: row["ms"][name] / ours for name in BACKENDS if ours and name in row["ms"]}
         rows.append(row)
         print(format_row(row), flush=True)
@@ -266,16 +293,18 @@ def write(prefix, rows, summary, meta):
              f"Status: {meta['status']} ({len(rows)} of {meta['rows_planned']} rows). Sources: commit "
              f"{src['commit']}, csrc/ tree {src['csrc_tree']}{changes}; csrc/ digest {src['csrc_digest'][:16]}, "
              f"the build's {src['build_csrc_digest'][:16]}.", "",
-             f"Command: `{meta['command']}`. Median of {meta['reps']} CUDA-event timings after {meta['warmup']} "
-             f"warm-up calls. Ratio = torch backend time / ours (> 1: ours faster). TFLOP/s: 4·B·H·n²·d forward "
-             f"(½ causal), 2.5x for the backward; % of the {PEAK_TFLOPS:.0f} TFLOP/s dense bf16/fp16 peak.", "",
+             f"Command: `{meta['command']}`. Median of {meta['reps']} CUDA-event samples of {meta.get('inner', 1)} "
+             f"calls back to back, after {meta['warmup']} warm-up calls. Ratio = torch backend time / ours (> 1: ours "
+             f"faster). TFLOP/s: 4·B·H·n²·d forward (½ causal), 2.5x for the backward; % of the GPU's dense peak "
+             f"for the dtype ({peaks_text(meta['device_name'])}).", "",
              "| dtype | mode | B | H | n | d | causal | ours ms | TFLOP/s | % peak | " +
              " | ".join(f"vs {b}" for b in BACKENDS) + " |",
              "|" + "---|" * (10 + len(BACKENDS))]
     for r in rows:
         ours = r["ms"].get("ours")
         cells = [r["dtype"], r["mode"], r["B"], r["H"], r["n"], r["d"], "yes" if r["causal"] else "no",
-                 f"{ours:.3f}" if ours else "error", f"{r.get('tflops', 0):.1f}", f"{r.get('pct_peak', 0):.1f}"]
+                 f"{ours:.3f}" if ours else "error", f"{r.get('tflops', 0):.1f}",
+                 "n/a" if r.get("pct_peak") is None else f"{r['pct_peak']:.1f}"]
         cells += [f"{r['ratio'][b]:.2f}x" if b in r["ratio"] else "n/a" for b in BACKENDS]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += ["", "## Targets", "", "| dtype | mode | against | target | worst ratio | at | met |", "|---|---|---|---|---|---|---|"]
@@ -299,6 +328,8 @@ def main(argv=None):
     ap.add_argument("--d", default="64,128", help="head dims (H = 2048 / d)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--inner", type=int, default=5,
+                    help="calls per timed sample, back to back (hides the host's per-call work)")
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="stop starting new rows after this many seconds (the rest are listed as skipped)")
     ap.add_argument("--out", default=None, help="PREFIX for PREFIX.md / PREFIX.json (default $OUT/results_gpu)")
@@ -317,6 +348,7 @@ def main(argv=None):
     meta = {"device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (dry run)",
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "reps": 2 if args.dry_run else args.reps, "warmup": 1 if args.dry_run else args.warmup,
+            "inner": 1 if args.dry_run else args.inner,
             "command": "python benchmarks/bench_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "build": attention_ext.build_info(), "sources": sources(), "rows_planned": planned,
             "status": "in progress", "skipped_rows": 0}

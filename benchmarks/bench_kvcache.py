@@ -7,7 +7,8 @@ bound by reading K and V once, so every row reports GB/s of K/V read per call ag
 machine's streaming read bandwidth measured in the same run (a sum over a 512 MiB tensor, larger
 than the caches). Per (dtype, cached tokens, batch·kv_heads, query rows) it times, interleaved:
   * ours contiguous: flash_attn_with_kvcache on a (batch, tokens, kv_heads, d) cache;
-  * ours paged 16 / paged 256: the same keys in shuffled blocks of 16 / 256 rows through a block table;
+  * ours paged 16 / paged 256: caches of the same shape and size (keys drawn afresh for each: the
+    timing does not depend on the values) in shuffled blocks of 16 / 256 rows through a block table;
   * torch sliced: torch's scaled_dot_product_attention over the cache's filled rows (a view,
     enable_gqa), what a torch decode step does;
   * torch gathered: torch's SDPA after gathering the paged blocks (what a paged cache costs torch).

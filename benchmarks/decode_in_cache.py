@@ -6,7 +6,9 @@
 K and V of one cache of `tokens` keys x 8 KV heads x d = 64 are expanded (stride 0) over 512 batch
 entries while the queries (4 query heads per KV head, `rows` query rows each) are distinct, so the
 decode kernel runs its full loop over 512 x 8 x tokens (key, KV head) pairs while reading the
-same 1 MiB (fp32, 256 tokens) held in L2: what it costs per key when memory is not the limit.
+same 1 MiB (fp32, 256 tokens) held in cache (L2 where a core has 1 MiB of it or more, else L2 and
+L3: Zen 3's 512 KiB L2 per core keeps half of it there): what it costs per key when DRAM is not the
+limit.
 The cycle count uses the clock implied by the measured FMA peak (bench.measure_fma_peak on this
 thread count, 2 FMA pipes x the fp32 lanes x 2 flops per cycle: on a core with one 512-bit FMA
 pipe the clock and the cycle counts come out half their true value).

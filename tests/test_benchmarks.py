@@ -102,10 +102,12 @@ def test_varlen_benchmark_times_every_candidate_in_both_modes(tmp_path):
                           capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "varlen.json").read_text())
-    candidates = ["ours packed", "ours padded", "torch padded", "torch loop"]
+    candidates = ["ours packed", "ours padded causal", "torch padded causal", "ours padded + mask", "torch padded + mask",
+                  "torch loop"]
     assert [(r["candidate"], r["mode"]) for r in result["rows"]] == [(c, m) for m in ("fwd", "fwdbwd")
                                                                      for c in candidates]
     assert all(r["ms"] > 0 for r in result["rows"])
+    assert all(r["max_diff"] < 1e-4 for r in result["rows"]), "every candidate computes the same real rows"
     assert "| ours packed | fwd |" in (tmp_path / "varlen.md").read_text()
 
 
