@@ -23,7 +23,9 @@ return_softmax_lse=True. Inference only: inputs that require grad (with grad mod
 forward-mode tangents, are refused (vmap works: torch runs the call once per entry). Every write is
 checked first: a cache overflow (cache_seqlens + seqlen_new beyond the cache), a block id outside the
 cache anywhere an entry reads or writes, or an expanded (stride-0) cache to append to raises before
-anything is written.
+anything is written. A cache made under torch.inference_mode() takes appends only under it as well
+(torch refuses in-place updates of inference tensors outside it; FlashAttention writes through raw
+pointers and does not notice).
 
 The CPU decode kernel reads a paged cache through its block table (calls of up to 8 query rows);
 longer calls, and the CUDA kernels, copy each entry's blocks into one contiguous tensor first.

@@ -59,6 +59,29 @@ def test_benchmark_measures_the_machine_and_reports_percent_of_its_peak(tmp_path
     assert "measured FMA peak" in md and "ours % peak" in md and "family" in result["meta"]["cpu"]
 
 
+@pytest.mark.slow_on_emulation
+def test_benchmark_times_the_backward_the_naive_composition_and_each_candidate_s_memory(tmp_path):
+    """The parts the harness test above leaves out: fwd+bwd, the naive candidate, the memory
+    subprocesses and the end-of-run peaks, on one causal shape with fewer queries than keys
+    (top-left causal: 8²/2 visible pairs, not 8·64/2)."""
+    prefix = tmp_path / "results"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--shapes", "1x2x8x64x16c",
+                           "--mode", "both", "--reps", "1", "--warmup", "1", "--min-sample-ms", "1", "--no-sweep",
+                           "--threads", "1", "--out", str(prefix)],
+                          capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    fwd, fwdbwd = result["rows"]
+    assert (fwd["mode"], fwdbwd["mode"]) == ("fwd", "fwdbwd")
+    assert fwd["flops"] == 4.0 * 2 * (8 ** 2 / 2) * 16 and fwdbwd["flops"] == 3.5 * fwd["flops"]
+    for row in result["rows"]:
+        assert set(row["median_ms"]) == {"ours", "torch", "naive"} and "ours/naive" in row["ratio"]
+        assert all("error" not in m and m["extra_mib"] >= 0 for m in row["mem"].values()), row["mem"]
+    fma = result["fma_peak"]
+    assert fma["gflops"] == max(fma["start_gflops"], fma["end_gflops"])
+    assert "measured at the start" in (tmp_path / "results.md").read_text()
+
+
 def test_cpu_fma_peak_probe_counts_its_flops():
     # The probe is timed by the op; a run of 10x the iterations must take longer, not report the
     # same time. On a shared machine a run can only be slowed down, never sped up: the fastest of
