@@ -232,9 +232,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                   "pass cache_batch_idx to say which cache row each entry uses")
             _fail(IndexError, f"cache_batch_idx[{b}] = {rows[b]} is outside the cache's {k_cache.shape[0]} rows")
 
-    if paged and batch > 0:
+    lowest, highest = torch.aminmax(block_table) if paged and block_table.numel() else (0, 0)
+    if paged and batch > 0 and not (0 <= int(lowest) and int(highest) < k_cache.shape[0]):
         # Every block an entry reads or writes, [min(leftpad, length), length + new), must be in
         # the cache: checked before anything is written (the op checks the ones it reads again).
+        # (Only when some entry of the table is out of range: the slots past an entry's blocks may
+        # hold anything, e.g. -1 as padding.)
         size, blocks = k_cache.shape[1], k_cache.shape[0]
         on = block_table.device
         first = torch.tensor([min(pad, length) // size for pad, length in zip(leftpad, lengths)], device=on)

@@ -390,6 +390,22 @@ def test_a_window_side_as_long_as_the_cache_bounds_nothing():
     assert torch.isneginf(lse[0, :, 0]).all() and torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
 
 
+def test_table_slots_past_an_entry_s_blocks_may_hold_anything():
+    """Only the blocks an entry reads or writes must be in the cache; the rest of its row of the
+    table may be padding (-1, or any number), as block allocators leave it."""
+    g = torch.Generator().manual_seed(8)
+    cache = Cache(2, 40, 2, 8, torch.float32, 8, g)
+    k_cache, v_cache, extra = cache.tensors()
+    q = torch.randn(2, 1, 4, 8, generator=g)
+    lengths = torch.tensor([9, 30], dtype=torch.int32)  # entry 0 uses blocks 0-1 of its row
+    want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, **extra)
+    padded = extra["block_table"].clone()
+    padded[0, 2:] = -1
+    padded[0, 4] = 10 ** 6
+    got = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=padded)
+    assert torch.equal(got, want)
+
+
 def test_bad_direct_op_calls_never_crash():
     """The op checks lengths, rows and block ids against the cache itself: in a subprocess that
     must survive, every bad call raises."""
