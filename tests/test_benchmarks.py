@@ -41,21 +41,24 @@ def test_gpu_benchmark_dry_run_writes_every_row_and_the_targets(tmp_path):
     assert "## Targets" in md and "| float32 | fwd |" in md
 
 
+def run_bench(tmp_path, *args):
+    """benchmarks/bench.py on one tiny shape (one rep, 1 ms samples, no sweep): its JSON and markdown."""
+    prefix = tmp_path / "results"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), *args, "--reps", "1",
+                           "--warmup", "1", "--min-sample-ms", "1", "--no-sweep", "--out", str(prefix)],
+                          capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads((tmp_path / "results.json").read_text()), (tmp_path / "results.md").read_text()
+
+
 @pytest.mark.slow_on_emulation
 def test_benchmark_measures_the_machine_and_reports_percent_of_its_peak(tmp_path):
     # One tiny shape, forward only: the point is the harness (machine measurements, table, JSON).
-    prefix = tmp_path / "results"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--shapes", "1x2x64x64x16",
-                           "--mode", "fwd", "--reps", "1", "--warmup", "1", "--min-sample-ms", "1", "--no-sweep",
-                           "--no-memory", "--no-naive", "--out", str(prefix)],
-                          capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    result = json.loads((tmp_path / "results.json").read_text())
+    result, md = run_bench(tmp_path, "--shapes", "1x2x64x64x16", "--mode", "fwd", "--no-memory", "--no-naive")
     assert result["fma_peak"]["gflops"] > 0 and result["bandwidth"]["gbps"] > 0
     assert result["fma_peak"]["variant"] == attention_ext.cpu_variant()
     (row,) = result["rows"]
     assert row["pct_peak"]["ours"] == pytest.approx(100.0 * row["gflops"]["ours"] / result["fma_peak"]["gflops"])
-    md = (tmp_path / "results.md").read_text()
     assert "measured FMA peak" in md and "ours % peak" in md and "family" in result["meta"]["cpu"]
 
 
@@ -64,13 +67,7 @@ def test_benchmark_times_the_backward_the_naive_composition_and_each_candidate_s
     """The parts the harness test above leaves out: fwd+bwd, the naive candidate, the memory
     subprocesses and the end-of-run peaks, on one causal shape with fewer queries than keys
     (top-left causal: 8²/2 visible pairs, not 8·64/2)."""
-    prefix = tmp_path / "results"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--shapes", "1x2x8x64x16c",
-                           "--mode", "both", "--reps", "1", "--warmup", "1", "--min-sample-ms", "1", "--no-sweep",
-                           "--threads", "1", "--out", str(prefix)],
-                          capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    result = json.loads((tmp_path / "results.json").read_text())
+    result, md = run_bench(tmp_path, "--shapes", "1x2x8x64x16c", "--mode", "both", "--threads", "1")
     fwd, fwdbwd = result["rows"]
     assert (fwd["mode"], fwdbwd["mode"]) == ("fwd", "fwdbwd")
     assert fwd["flops"] == 4.0 * 2 * (8 ** 2 / 2) * 16 and fwdbwd["flops"] == 3.5 * fwd["flops"]
@@ -79,7 +76,7 @@ def test_benchmark_times_the_backward_the_naive_composition_and_each_candidate_s
         assert all("error" not in m and m["extra_mib"] >= 0 for m in row["mem"].values()), row["mem"]
     fma = result["fma_peak"]
     assert fma["gflops"] == max(fma["start_gflops"], fma["end_gflops"])
-    assert "measured at the start" in (tmp_path / "results.md").read_text()
+    assert "measured at the start" in md
 
 
 def test_cpu_fma_peak_probe_counts_its_flops():
