@@ -46,9 +46,10 @@ def flag(value, name: str, prefix: str = PREFIX, integers: bool = False) -> bool
 
 
 def device_rule(check: Check, t: torch.Tensor, name: str, device: torch.device, cpu_ok: bool = False) -> None:
-    """t on `device` (query's), or with cpu_ok also on the CPU (index tensors the kernels copy).
-    In a fake kernel this is what refuses a stray meta tensor beside real ones: the dispatcher runs
-    the fake kernel whenever any argument is on meta, and it would return uninitialised tensors."""
+    """t on `device` (query's), or with cpu_ok also on the CPU (index tensors the kernels copy):
+    every tensor argument's device rule. In a fake kernel this is also what refuses a stray meta
+    tensor beside real ones: the dispatcher runs the fake kernel whenever any argument is on meta,
+    and it would return uninitialised tensors."""
     check(t.device == device or (cpu_ok and t.device.type == "cpu"), ValueError,
           lambda: f"{name} must be on {device}{' (or the CPU)' if cpu_ok and device.type != 'cpu' else ''}, got "
                   f"{t.device}")
@@ -110,15 +111,14 @@ def rng_state_rules(check: Check, rng_state, device) -> None:
     check(rng_state.dtype == torch.int64 and rng_state.numel() == 2, TypeError,
           lambda: f"rng_state must be an int64 tensor of 2 elements (seed, offset), got {rng_state.dtype} "
           f"of shape {tuple(rng_state.shape)}")
-    check(rng_state.device == device, ValueError, lambda: f"rng_state must be on {device}, got {rng_state.device}")
+    device_rule(check, rng_state, "rng_state", device)
 
 
 def mask_rules(check: Check, attn_mask: torch.Tensor, query: torch.Tensor) -> None:
     """A boolean mask (True: the key takes part) or an additive one in the query's dtype."""
     check(attn_mask.dtype == torch.bool or attn_mask.dtype == query.dtype, TypeError,
           lambda: f"attn_mask must be bool or have the query's dtype ({query.dtype}), got {attn_mask.dtype}")
-    check(attn_mask.device == query.device, ValueError,
-          lambda: f"attn_mask must be on {query.device}, got {attn_mask.device}")
+    device_rule(check, attn_mask, "attn_mask", query.device)
 
 
 def band_rules(check: Check, causal, window_left, window_right, n, m) -> None:
@@ -154,7 +154,7 @@ def per_head_rules(check: Check, values: torch.Tensor, name: str, dtype: torch.d
     shape broadcasting to the batch dims."""
     check(values.dtype == dtype, TypeError,
           lambda: f"{name} must be {dtype} for {query.dtype} inputs, got {values.dtype}")
-    check(values.device == query.device, ValueError, lambda: f"{name} must be on {query.device}, got {values.device}")
+    device_rule(check, values, name, query.device)
     shape = tuple(values.shape)
     check(len(shape) <= len(batch) and all(s == 1 or s == b for s, b in zip(reversed(shape), reversed(batch))),
           ValueError, lambda: f"{name} of shape {shape} does not broadcast to the batch dims {tuple(batch)} "

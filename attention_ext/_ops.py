@@ -47,10 +47,6 @@ def _batch_shape(*tensors):
     return torch.broadcast_shapes(*(t.shape[:-2] for t in tensors))
 
 
-def _check(cond, message):
-    torch._check(cond, lambda: _arguments.PREFIX + message)
-
-
 def _check_fake_inputs(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
                        sinks, dropout_p, rng_state):
     _arguments.op_rules(_arguments.check_traced, query, key, value, attn_mask, scale, causal, window_left,

@@ -72,6 +72,12 @@ def _fail(error, message):
     raise error(_PREFIX + message)
 
 
+def _enforce(holds, error, message):
+    """_arguments' check with this function's prefix: the shared rules raise under its name."""
+    if not holds:
+        _fail(error, message())
+
+
 def _per_entry(t, name, batch, device):
     """An optional int32 (batch,) argument, as a host list (None if not given)."""
     if t is None:
@@ -79,8 +85,7 @@ def _per_entry(t, name, batch, device):
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
         got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         _fail(TypeError, f"{name} must be an int32 tensor of shape ({batch},), got {got}")
-    if t.device.type != "cpu" and t.device != device:
-        _fail(ValueError, f"{name} must be on {device}{'' if device.type == 'cpu' else ' (or the CPU)'}, got {t.device}")
+    _arguments.device_rule(_enforce, t, name, device, cpu_ok=True)
     return t.tolist()
 
 
@@ -117,13 +122,11 @@ def _refuse_forward_ad(named):
 def _check_tensors(q, k_cache, v_cache, k, v, paged):
     if (k is None) != (v is None):
         _fail(ValueError, "k and v must be given together (the new keys and values to append)")
-    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")) + (((k, "k"), (v, "v")) if k is not None
-                                                                             else ()):
-        if name in ("k", "v") and not isinstance(t, torch.Tensor):
+    for t, name in ((k, "k"), (v, "v")):  # (their shapes are checked against the cache's below)
+        if t is not None and not isinstance(t, torch.Tensor):
             _fail(TypeError, f"{name} must be a torch.Tensor (batch, seqlen_new, kv_heads, head_dim) or None, got "
                              f"{type(t).__name__}")
-        if name in ("k", "v"):
-            continue  # (their shape is checked against the cache's below)
+    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             layout = "(num_blocks, block_size" if paged and name != "q" else "(batch, seqlen"
@@ -191,9 +194,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
                 or block_table.shape[0] != batch:
             _fail(TypeError, f"block_table must be an int32 tensor of shape ({batch}, max_blocks)")
-        if block_table.device.type != "cpu" and block_table.device != device:
-            _fail(ValueError, f"block_table must be on {device}{'' if device.type == 'cpu' else ' (or the CPU)'}, got "
-                              f"{block_table.device}")
+        _arguments.device_rule(_enforce, block_table, "block_table", device, cpu_ok=True)
         if cache_batch_idx is not None:
             _fail(ValueError, "cache_batch_idx cannot be combined with block_table (the table names each "
                               "entry's blocks)")

@@ -85,22 +85,18 @@ void expand_kv(at::Tensor& k, at::Tensor& v) {
   v = v.expand(vs);
 }
 
-// An optional holding an undefined tensor means "no mask" too.
-std::optional<at::Tensor> mask_or_none(const std::optional<at::Tensor>& attn_mask) {
-  if (attn_mask.has_value() && attn_mask->defined()) return attn_mask;
+// An optional holding an undefined tensor means "none" too (a mask, grad_lse, slopes, sinks).
+std::optional<at::Tensor> defined_or_none(const std::optional<at::Tensor>& t) {
+  if (t.has_value() && t->defined()) return t;
   return std::nullopt;
 }
 
 // The sinks in the lse's dtype (float64 for float64 inputs, float32 otherwise), as the ops take
 // them; the slopes go as they are (the op names the tensor if they are not float32).
 std::optional<at::Tensor> sinks_for(const at::Tensor& q, const ScoreModifiers& modifiers) {
-  if (!modifiers.sinks.has_value() || !modifiers.sinks->defined()) return std::nullopt;
-  return modifiers.sinks->to(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
-}
-
-std::optional<at::Tensor> slopes_for(const ScoreModifiers& modifiers) {
-  if (!modifiers.alibi_slopes.has_value() || !modifiers.alibi_slopes->defined()) return std::nullopt;
-  return modifiers.alibi_slopes;
+  const std::optional<at::Tensor> sinks = defined_or_none(modifiers.sinks);
+  if (!sinks.has_value()) return std::nullopt;
+  return sinks->to(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
 }
 
 }  // namespace
@@ -114,9 +110,9 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
                                                      Window window, const ScoreModifiers& modifiers) {
   at::Tensor key = k, value = v;
   expand_kv(key, value);
-  return fwd_op().call(q, key, value, mask_or_none(attn_mask), resolve_scale(q, scale),
+  return fwd_op().call(q, key, value, defined_or_none(attn_mask), resolve_scale(q, scale),
                        static_cast<int64_t>(causal), window.left, window.right, modifiers.softcap,
-                       slopes_for(modifiers), sinks_for(q, modifiers), dropout_p, rng_state);
+                       defined_or_none(modifiers.alibi_slopes), sinks_for(q, modifiers), dropout_p, rng_state);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
@@ -128,10 +124,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
   at::Tensor key = k, value = v;
   expand_kv(key, value);
   auto [gq, gk, gv, gmask] =
-      bwd_op().call(grad_out, mask_or_none(grad_lse), q, key, value, mask_or_none(attn_mask), out, lse,
+      bwd_op().call(grad_out, defined_or_none(grad_lse), q, key, value, defined_or_none(attn_mask), out, lse,
                     resolve_scale(q, scale), static_cast<int64_t>(causal), window.left, window.right,
-                    modifiers.softcap, slopes_for(modifiers), sinks_for(q, modifiers), dropout_p, rng_state,
-                    mask_requires_grad, /*merged_lse=*/false);
+                    modifiers.softcap, defined_or_none(modifiers.alibi_slopes), sinks_for(q, modifiers), dropout_p,
+                    rng_state, mask_requires_grad, /*merged_lse=*/false);
   // Reduce the gradients of expanded key/value back to the caller's shapes.
   if (gk.sizes() != k.sizes()) gk = gk.sum_to_size(k.sizes());
   if (gv.sizes() != v.sizes()) gv = gv.sum_to_size(v.sizes());
@@ -148,7 +144,7 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
               "attention_ext: attn_mask must be empty when is_causal=true (as in torch)");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
               "attention_ext: dropout_p must be in [0, 1), got ", dropout_p);
-  std::optional<at::Tensor> mask = mask_or_none(attn_mask);
+  std::optional<at::Tensor> mask = defined_or_none(attn_mask);
   const double s = resolve_scale(q, scale);
 
   at::Tensor query = q, key = k, value = v;
@@ -189,8 +185,8 @@ at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k,
                              const std::optional<at::Tensor>& attn_mask,
                              std::optional<double> scale, Causal causal, Window window,
                              const ScoreModifiers& modifiers) {
-  return probs_op().call(q, k, mask_or_none(attn_mask), resolve_scale(q, scale), static_cast<int64_t>(causal),
-                         window.left, window.right, modifiers.softcap, slopes_for(modifiers),
+  return probs_op().call(q, k, defined_or_none(attn_mask), resolve_scale(q, scale), static_cast<int64_t>(causal),
+                         window.left, window.right, modifiers.softcap, defined_or_none(modifiers.alibi_slopes),
                          sinks_for(q, modifiers));
 }
 
@@ -204,13 +200,14 @@ at::Tensor sink_gradient(const at::Tensor& sinks, const at::Tensor& out, const a
               " and lse ", lse.sizes());
   TORCH_CHECK(grad_out.sizes() == out.sizes(), "attention_ext: sink_gradient needs grad_out shaped like out ",
               out.sizes(), ", got ", grad_out.sizes());
-  TORCH_CHECK(!grad_lse.has_value() || !grad_lse->defined() || grad_lse->sizes() == lse.sizes(),
+  const std::optional<at::Tensor> dlse = defined_or_none(grad_lse);
+  TORCH_CHECK(!dlse.has_value() || dlse->sizes() == lse.sizes(),
               "attention_ext: sink_gradient needs grad_lse shaped like lse ", lse.sizes(), ", got ",
-              grad_lse.has_value() ? grad_lse->sizes() : at::IntArrayRef{});
+              dlse.has_value() ? dlse->sizes() : at::IntArrayRef{});
   // (Tensor methods, not operators: this file includes ATen's core only.)
   const at::ScalarType acc = lse.scalar_type();
   at::Tensor delta = grad_out.to(acc).mul(out.to(acc)).sum(-1);
-  if (grad_lse.has_value() && grad_lse->defined()) delta = delta.sub(grad_lse->to(acc));
+  if (dlse.has_value()) delta = delta.sub(dlse->to(acc));
   // exp(sink − lse) <= 1, capped there: a dominant sink can sit an lse's rounding above it.
   // A sink of +inf has lse +inf and weight 1; a row with lse −inf has none.
   const at::Tensor sink = sinks.to(acc).unsqueeze(-1);
