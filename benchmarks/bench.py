@@ -232,8 +232,14 @@ def measure_fma_peak(reps=5, iterations=20_000_000):
     """The CPU's float32 FMA peak in GFLOP/s on every torch thread at once (best of reps): the
     active kernel variant's widest vectors in independent FMA chains (csrc/cpu/fma_probe.inc)."""
     runs = [torch.ops.attention_ext.cpu_fma_peak_gflops(iterations) for _ in range(reps)]
-    return {"gflops": max(runs), "gflops_runs": runs, "threads": torch.get_num_threads(),
-            "variant": attention_ext.cpu_variant()}
+    res = {"gflops": max(runs), "gflops_runs": runs, "threads": torch.get_num_threads(),
+           "variant": attention_ext.cpu_variant()}
+    # The kernels' own tile GEMM on L1-resident tiles (csrc/cpu/fma_probe.inc): the ceiling of their
+    # GEMMs on this machine, so a table shows how much of the distance to the FMA peak is the GEMM's.
+    if hasattr(torch.ops.attention_ext, "cpu_tile_gemm_gflops"):
+        gemm_runs = [torch.ops.attention_ext.cpu_tile_gemm_gflops(iterations // 500) for _ in range(reps)]
+        res.update(tile_gemm_gflops=max(gemm_runs), tile_gemm_gflops_runs=gemm_runs)
+    return res
 
 
 def measure_bandwidth(mib=512, reps=7):
@@ -427,6 +433,12 @@ def render_markdown(res):
                  + (f"; measured at the start ({fma['start_gflops']:.1f}) and at the end ({fma['end_gflops']:.1f}) "
                     "of the run, the higher one is used" if "start_gflops" in fma else "")
                  + "); `% peak` columns are against it")
+        if "tile_gemm_gflops" in fma:
+            L.append(f"- **tile-GEMM ceiling: {fma['tile_gemm_gflops']:.1f} GFLOP/s = "
+                     f"{100 * fma['tile_gemm_gflops'] / fma['gflops']:.0f}% of the FMA peak**: the kernels' own "
+                     f"register-blocked GEMM running the forward's two 64x64x64 tile products on L1-resident tiles "
+                     f"(best of {len(fma['tile_gemm_gflops_runs'])}, same threads): what the GEMMs reach when "
+                     f"memory, softmax and masking cost nothing")
     if bw:
         L.append(f"- **measured streaming read bandwidth: {bw['gbps']:.1f} GB/s** (sum over {bw['mib']} MiB, median "
                  f"of {bw['reps']}; best {bw['gbps_best']:.1f}); `ours GB/s` counts Q, K, V read and O written once "
@@ -622,6 +634,7 @@ def run_device(a, shapes, modes, cands, dtype, reps, min_sample_s, out_prefix):
     peak = measure_sgemm_peak()
     print(f"[bench] machine: " + (f"FMA peak {fma['gflops']:.1f} GFLOP/s ({fma['threads']} threads, "
                                   f"{fma['variant']}), " if fma else "") +
+          (f"tile GEMM {fma['tile_gemm_gflops']:.1f} GFLOP/s, " if fma and "tile_gemm_gflops" in fma else "") +
           f"streaming read {bandwidth['gbps']:.1f} GB/s, torch.mm {peak['n']}^2 fp32 {peak['gflops_median']:.1f} "
           f"GFLOP/s (best {peak['gflops_best']:.1f})", flush=True)
 

@@ -31,6 +31,7 @@ std::string build_info() {
 #endif
   os << "cpu_variants_compiled=" << c10::Join(",", cpu::compiled_variants()) << "\n";
   os << "cpu_variants_supported=" << c10::Join(",", cpu::supported_variants()) << "\n";
+  os << "cpu_variant_auto=" << cpu::auto_variant() << "\n";
   os << "cpu_variant=" << cpu::active_kernels().name << "\n";
 #if defined(ATTENTION_EXT_WITH_CUDA)
   os << "cuda=1\n";

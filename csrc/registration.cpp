@@ -63,4 +63,5 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("set_cpu_variant(str name) -> str", &attention_ext::set_cpu_variant);
   // The machine's float32 FMA peak (GFLOP/s, all torch threads), measured by the CPU kernels' code.
   m.def("cpu_fma_peak_gflops(int iterations) -> float", &attention_ext::cpu::fma_peak_gflops);
+  m.def("cpu_tile_gemm_gflops(int iterations) -> float", &attention_ext::cpu::tile_gemm_gflops);
 }

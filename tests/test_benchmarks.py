@@ -79,23 +79,26 @@ def test_benchmark_times_the_backward_the_naive_composition_and_each_candidate_s
     assert "measured at the start" in md
 
 
-def test_cpu_fma_peak_probe_counts_its_flops():
+@pytest.mark.parametrize("probe, short_iterations", [("cpu_fma_peak_gflops", 2_000_000),
+                                                     ("cpu_tile_gemm_gflops", 2_000)])
+def test_cpu_probes_count_their_flops(probe, short_iterations):
     # The probe is timed by the op; a run of 10x the iterations must take longer, not report the
     # same time. On a shared machine a run can only be slowed down, never sped up: the fastest of
     # several short runs is the honest short time (one preempted short run once failed this).
     import time
 
     import torch
+    op = getattr(torch.ops.attention_ext, probe)
 
     def seconds(iterations):
         t0 = time.perf_counter()
-        result = torch.ops.attention_ext.cpu_fma_peak_gflops(iterations)
+        result = op(iterations)
         return time.perf_counter() - t0, result
-    short = min(seconds(2_000_000)[0] for _ in range(5))
-    long, gflops = seconds(20_000_000)
+    short = min(seconds(short_iterations)[0] for _ in range(5))
+    long, gflops = seconds(10 * short_iterations)
     assert gflops > 0 and long > 3 * short
     with pytest.raises(RuntimeError, match="iterations must be positive"):
-        torch.ops.attention_ext.cpu_fma_peak_gflops(0)
+        op(0)
 
 
 @pytest.mark.slow_on_emulation

@@ -183,6 +183,36 @@ def test_avx512bf16_variant_runs_its_own_bf16_forward():
         assert_close_to_reference(results[variant], ref, torch.bfloat16, budget)
 
 
+def _cpu_vendor():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+@pytest.mark.cpu_kernels
+def test_auto_takes_the_bf16_dot_variant_only_on_amd():
+    # AVX512-BF16 dot products retire at half the fp32 FMA rate on Intel's cores and at least at
+    # that rate on AMD's: 'auto' follows the vendor (never a timing), and is always supported here.
+    info = attention_ext.build_info()
+    supported = info["cpu_variants_supported"].split(",")
+    assert info["cpu_variant_auto"] in supported
+    vendor = _cpu_vendor()
+    if "avx512bf16" not in supported or vendor not in ("GenuineIntel", "AuthenticAMD"):
+        pytest.skip(f"needs a CPU with AVX512-BF16 from Intel or AMD (vendor {vendor!r}, supported {supported})")
+    expected = "avx512bf16" if vendor == "AuthenticAMD" else "avx512"
+    assert info["cpu_variant_auto"] == expected
+    previous = attention_ext.cpu_variant()
+    try:
+        assert attention_ext.set_cpu_variant("auto") == expected
+    finally:
+        attention_ext.set_cpu_variant(previous)
+
+
 def test_under_autocast_the_call_runs_in_the_autocast_dtype_as_torchs_does():
     scaled_dot_product_attention = attention_ext.scaled_dot_product_attention
     """torch's SDPA is on autocast's lower-precision list: q, k, v and a float mask are cast to the
