@@ -236,3 +236,22 @@ def test_decode_prefetch_micro_benchmark_builds_and_fills_its_tables(tmp_path):
     overlap = [line.split() for line in lines[header + 1:header + 5]]
     assert [row[0] for row in overlap] == ["0", "2", "4", "6"]
     assert all(len(row) == 8 and all(float(x) > 0 for x in row[2:7]) for row in overlap)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_bf16_dot_throughput_micro_benchmark_builds_and_reports(tmp_path):
+    exe = tmp_path / "bf16_dot_throughput"
+    build = subprocess.run(["g++", "-O2", "-Wall", "-Werror", "-o", str(exe),
+                            os.path.join(ROOT, "benchmarks", "bf16_dot_throughput.cpp")],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-4000:]
+    proc = subprocess.run([str(exe), "200000"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    if lines == ["this CPU has no AVX512-BF16: nothing to time"]:
+        return
+    assert lines[0].startswith("one thread, GFLOP/s")
+    rows = {line.rsplit(None, 1)[0].split(" (")[0]: float(line.rsplit(None, 1)[1]) for line in lines[1:]}
+    assert set(rows) == {"fp32 FMA", "bf16 dot product", "dot / FMA"}
+    assert rows["fp32 FMA"] > 0 and rows["bf16 dot product"] > 0
+    assert rows["dot / FMA"] == pytest.approx(rows["bf16 dot product"] / rows["fp32 FMA"], abs=0.01)

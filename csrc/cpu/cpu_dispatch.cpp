@@ -68,8 +68,8 @@ bool has_avx512bf16() {
 }
 // The avx512bf16 variant's bf16 forward (forward_bf16_dot.inc) pays only where one VDPBF16PS (two
 // bf16 products per lane) retires as fast as an fp32 FMA: on AMD's cores (Zen 4, Zen 5). On Intel's
-// it retires at half the FMA rate (measured on a Xeon, family 6 model 167: 101 against 203 GFLOP/s
-// per core, independent chains), so the bf16 forward there ran at 146 GFLOP/s against 223 for the
+// it retires at half the FMA rate (benchmarks/bf16_dot_throughput.cpp on a Xeon, family 6 model
+// 167: 106 against 209 GFLOP/s per core), so the bf16 forward there ran at 146 GFLOP/s against 223 for the
 // avx512 variant's, which converts bf16 to fp32 and uses the FMAs. The choice follows the vendor,
 // never a timing, so "auto" is the same on every run of a machine (and so are the results).
 bool bf16_dot_pays() {
