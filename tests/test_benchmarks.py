@@ -215,16 +215,22 @@ def test_decode_in_cache_benchmark_reports_cycles_per_key():
     assert "cycles per (key, KV head)" in proc.stdout and "2 query row(s)" in proc.stdout
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-def test_decode_prefetch_micro_benchmark_builds_and_fills_its_tables(tmp_path):
-    exe = tmp_path / "decode_prefetch"
-    build = subprocess.run(["g++", "-O3", "-march=native", "-Wall", "-Werror", "-o", str(exe),
-                            os.path.join(ROOT, "benchmarks", "decode_prefetch.cpp")],
+def _build_and_run_micro_benchmark(tmp_path, name, flags, arg):
+    """Compiles benchmarks/<name>.cpp with g++ (warnings as errors) and runs it with one argument;
+    returns its stdout's lines."""
+    exe = tmp_path / name
+    build = subprocess.run(["g++", *flags, "-Wall", "-Werror", "-o", str(exe),
+                            os.path.join(ROOT, "benchmarks", name + ".cpp")],
                            capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-4000:]
-    proc = subprocess.run([str(exe), "1024"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([str(exe), arg], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.splitlines()
+    return proc.stdout.splitlines()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_decode_prefetch_micro_benchmark_builds_and_fills_its_tables(tmp_path):
+    lines = _build_and_run_micro_benchmark(tmp_path, "decode_prefetch", ["-O3", "-march=native"], "1024")
     # the prefetch schemes: GB/s per work level
     assert lines[0].startswith("one thread, GB/s") and lines[1].split()[:3] == ["work", "FMAs", "none"]
     schemes = [line.split() for line in lines[2:6]]
@@ -240,14 +246,7 @@ def test_decode_prefetch_micro_benchmark_builds_and_fills_its_tables(tmp_path):
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_bf16_dot_throughput_micro_benchmark_builds_and_reports(tmp_path):
-    exe = tmp_path / "bf16_dot_throughput"
-    build = subprocess.run(["g++", "-O2", "-Wall", "-Werror", "-o", str(exe),
-                            os.path.join(ROOT, "benchmarks", "bf16_dot_throughput.cpp")],
-                           capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-4000:]
-    proc = subprocess.run([str(exe), "200000"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.splitlines()
+    lines = _build_and_run_micro_benchmark(tmp_path, "bf16_dot_throughput", ["-O2"], "200000")
     if lines == ["this CPU has no AVX512-BF16: nothing to time"]:
         return
     assert lines[0].startswith("one thread, GFLOP/s")
