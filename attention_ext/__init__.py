@@ -79,7 +79,7 @@ def cpu_variant() -> str:
 
 
 def set_cpu_variant(name: str) -> str:
-    """Selects the CPU kernel variant ('auto' = the fastest this CPU supports, as
+    """Selects the CPU kernel variant ('auto' = the preferred one this CPU supports, as
     build_info()['cpu_variant_auto'] names it). The environment
     variable ATTENTION_EXT_CPU_ISA sets the initial choice. Returns the active name."""
     return torch.ops.attention_ext.set_cpu_variant(name)

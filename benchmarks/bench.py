@@ -234,7 +234,7 @@ def measure_fma_peak(reps=5, iterations=20_000_000):
     runs = [torch.ops.attention_ext.cpu_fma_peak_gflops(iterations) for _ in range(reps)]
     res = {"gflops": max(runs), "gflops_runs": runs, "threads": torch.get_num_threads(),
            "variant": attention_ext.cpu_variant()}
-    # The kernels' own tile GEMM on L1-resident tiles (csrc/cpu/fma_probe.inc): the ceiling of their
+    # The kernels' own tile GEMM on cache-resident tiles (csrc/cpu/fma_probe.inc): the ceiling of their
     # GEMMs on this machine, so a table shows how much of the distance to the FMA peak is the GEMM's.
     if hasattr(torch.ops.attention_ext, "cpu_tile_gemm_gflops"):
         gemm_runs = [torch.ops.attention_ext.cpu_tile_gemm_gflops(iterations // 500) for _ in range(reps)]
@@ -436,7 +436,7 @@ def render_markdown(res):
         if "tile_gemm_gflops" in fma:
             L.append(f"- **tile-GEMM ceiling: {fma['tile_gemm_gflops']:.1f} GFLOP/s = "
                      f"{100 * fma['tile_gemm_gflops'] / fma['gflops']:.0f}% of the FMA peak**: the kernels' own "
-                     f"register-blocked GEMM running the forward's two 64x64x64 tile products on L1-resident tiles "
+                     f"register-blocked GEMM running the forward's two 64x64x64 tile products on cache-resident tiles "
                      f"(best of {len(fma['tile_gemm_gflops_runs'])}, same threads): what the GEMMs reach when "
                      f"memory, softmax and masking cost nothing")
     if bw:

@@ -101,6 +101,18 @@ def test_cpu_probes_count_their_flops(probe, short_iterations):
         op(0)
 
 
+def test_the_tile_gemm_ceiling_is_under_the_fma_peak():
+    # Both count 2 flops per FMA of the same vectors; a tile GEMM feeds its FMAs from memory, so it
+    # cannot beat independent register chains. Best of three each, interleaved: a preempted run
+    # reads low, and a busy spell of the machine then hits both.
+    import torch
+    fma, tile = [], []
+    for _ in range(3):
+        fma.append(torch.ops.attention_ext.cpu_fma_peak_gflops(2_000_000))
+        tile.append(torch.ops.attention_ext.cpu_tile_gemm_gflops(4_000))
+    assert 0 < max(tile) <= 1.2 * max(fma)
+
+
 @pytest.mark.slow_on_emulation
 def test_window_benchmark_writes_a_row_per_window_and_mode(tmp_path):
     prefix = tmp_path / "window"
@@ -247,8 +259,8 @@ def test_decode_prefetch_micro_benchmark_builds_and_fills_its_tables(tmp_path):
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_bf16_dot_throughput_micro_benchmark_builds_and_reports(tmp_path):
     lines = _build_and_run_micro_benchmark(tmp_path, "bf16_dot_throughput", ["-O2"], "200000")
-    if lines == ["this CPU has no AVX512-BF16: nothing to time"]:
-        return
+    if len(lines) == 1 and lines[0].endswith("nothing to time"):
+        pytest.skip(lines[0])
     assert lines[0].startswith("one thread, GFLOP/s")
     rows = {line.rsplit(None, 1)[0].split(" (")[0]: float(line.rsplit(None, 1)[1]) for line in lines[1:]}
     assert set(rows) == {"fp32 FMA", "bf16 dot product", "dot / FMA"}

@@ -196,8 +196,8 @@ def _cpu_vendor():
 
 @pytest.mark.cpu_kernels
 def test_auto_takes_the_bf16_dot_variant_only_on_amd():
-    # AVX512-BF16 dot products retire at half the fp32 FMA rate on Intel's cores and at least at
-    # that rate on AMD's: 'auto' follows the vendor (never a timing), and is always supported here.
+    # AVX512-BF16 dot products gave half the fp32 FMAs' flop rate on the Intel core measured and
+    # more than it on AMD's: 'auto' follows the vendor (never a timing), and is always supported.
     info = attention_ext.build_info()
     supported = info["cpu_variants_supported"].split(",")
     assert info["cpu_variant_auto"] in supported

@@ -66,12 +66,16 @@ bool has_avx512bf16() {
   __builtin_cpu_init();
   return has_avx512() && __builtin_cpu_supports("avx512bf16");
 }
-// The avx512bf16 variant's bf16 forward (forward_bf16_dot.inc) pays only where one VDPBF16PS (two
-// bf16 products per lane) retires as fast as an fp32 FMA: on AMD's cores (Zen 4, Zen 5). On Intel's
-// it retires at half the FMA rate (benchmarks/bf16_dot_throughput.cpp on a Xeon, family 6 model
-// 167: 106 against 209 GFLOP/s per core), so the bf16 forward there ran at 146 GFLOP/s against 223 for the
-// avx512 variant's, which converts bf16 to fp32 and uses the FMAs. The choice follows the vendor,
-// never a timing, so "auto" is the same on every run of a machine (and so are the results).
+// The avx512bf16 variant's bf16 forward (forward_bf16_dot.inc) pays only where its VDPBF16PS (two
+// bf16 products per fp32 lane) delivers more products per second than the fp32 FMAs: on AMD's
+// cores (Zen 4, Zen 5), where it was measured faster. On the Intel Xeon measured (family 6 model 167,
+// benchmarks/bf16_dot_throughput.cpp) one core did 106 GFLOP/s of bf16 dot products against 209 of
+// FMAs: half the flop rate (a quarter of the instructions per cycle), and with 24 chains as with 12,
+// so not latency. Its bf16 forward then ran at 146-149 GFLOP/s against 223 for the avx512 variant's,
+// which converts bf16 to fp32 for the FMAs (1x8x1024x1024x64, side by side). Other Intel cores with
+// AVX512-BF16 are taken to behave alike until measured (ATTENTION_EXT_CPU_ISA=avx512bf16 still forces
+// it). The choice follows the vendor, never a timing, so "auto" is the same on every run of a machine
+// (and so are the results).
 bool bf16_dot_pays() {
   __builtin_cpu_init();
   return __builtin_cpu_is("amd");
@@ -79,7 +83,7 @@ bool bf16_dot_pays() {
 #endif
 bool always() { return true; }
 
-const std::vector<Variant>& variants() {  // best first
+const std::vector<Variant>& variants() {  // in order of preference
   static const std::vector<Variant> all = {
 #if defined(__x86_64__) || defined(_M_X64)
       {"avx512bf16", &kernels_avx512bf16, &has_avx512bf16, &bf16_dot_pays},
@@ -148,7 +152,10 @@ double probe_gflops(double (*probe)(int64_t), int64_t iterations) {
   });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   double total = 0.0;
-  for (double f : flops) total += f;
+  for (double f : flops) {
+    TORCH_CHECK(f > 0.0, "attention_ext: a CPU probe could not allocate its buffers");
+    total += f;
+  }
   return total / seconds / 1e9;
 }
 }  // namespace

@@ -1,4 +1,4 @@
-// Chooses the CPU kernel variant: the fastest the CPU supports (auto_variant), or the one named by the
+// Chooses the CPU kernel variant: the preferred one the CPU supports (auto_variant), or the one named by the
 // ATTENTION_EXT_CPU_ISA environment variable (avx512bf16 | avx512 | avx2 | generic), or set_cpu_variant().
 #pragma once
 #include <string>
@@ -10,7 +10,7 @@ namespace attention_ext {
 namespace cpu {
 
 const KernelTable& active_kernels();
-// Variants this build contains and this CPU can run, best first.
+// Variants this build contains and this CPU can run, in order of preference.
 std::vector<std::string> supported_variants();
 // The variant "auto" selects on this CPU: the first supported one that is also preferred here
 // (avx512bf16 only on AMD's cores, where its bf16 dot products outrun the FMAs).
@@ -23,7 +23,7 @@ std::string set_variant(const std::string& name);
 // The machine's float32 FMA peak in GFLOP/s as the active variant's widest vectors reach it: every
 // torch thread runs fma_probe(iterations) at once (the benchmarks' "% of peak").
 double fma_peak_gflops(int64_t iterations);
-// The same for the kernels' own tile GEMM on L1-resident tiles (tile_gemm_probe): the ceiling the
+// The same for the kernels' own tile GEMM on cache-resident tiles (tile_gemm_probe): the ceiling the
 // attention kernels' GEMMs reach on this machine, reported beside the FMA peak.
 double tile_gemm_gflops(int64_t iterations);
 

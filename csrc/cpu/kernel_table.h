@@ -101,7 +101,7 @@ struct KernelTable {
   // Runs `iterations` rounds of independent vector FMAs on the calling thread; returns the flops
   // done (fma_probe.inc). For measuring the machine's FMA peak, not for attention.
   double (*fma_probe)(int64_t iterations);
-  // Runs `iterations` rounds of the forward's two 64 x 64 x 64 tile GEMMs on L1-resident tiles;
+  // Runs `iterations` rounds of the forward's two 64 x 64 x 64 tile GEMMs on cache-resident tiles;
   // returns the flops done (fma_probe.inc). The ceiling the kernels' GEMM reaches on this machine.
   double (*tile_gemm_probe)(int64_t iterations);
 };
