@@ -3,7 +3,10 @@
 // 16 per instruction), in GFLOP/s (2 flops per product). It is what decides whether the avx512bf16
 // variant's bf16 forward (forward_bf16_dot.inc) can beat the avx512 variant's, which converts bf16
 // to fp32 for the FMAs: only where the dot products' GFLOP/s clearly exceed the FMAs' (the bf16
-// path also pays for pairing its operands and rounding P).
+// path also pays for pairing its operands and rounding P). Where the CPU has AMX (and Linux grants
+// a process its tile state), a last row times AMX-BF16 tile products (TDPBF16PS, 16x16 outputs of
+// 32 products each, four independent accumulator tiles): the ceiling of a bf16 path on AMX, which
+// the kernels here do not have (torch's bf16 GEMMs on such a CPU use it).
 //
 //   g++ -O2 -o /tmp/bf16_dot_throughput benchmarks/bf16_dot_throughput.cpp && /tmp/bf16_dot_throughput [iterations]
 //
@@ -20,6 +23,14 @@
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
 #define HAVE_BF16_DOT 1
 #include <immintrin.h>
+#if defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define HAVE_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+#endif
 
 namespace {
 
@@ -64,6 +75,65 @@ __attribute__((target("avx512f,avx512bf16"), noinline)) double bf16_dot(int64_t 
   return 2.0 * 32 * kChains * static_cast<double>(iterations);  // 32 products per instruction
 }
 
+#ifdef HAVE_AMX
+// The tile configuration: palette 1, tiles 0-7 of 16 rows x 64 bytes (16 fp32 or 32 bf16 a row).
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+// CPUID leaf 7: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
+bool cpu_has_amx_bf16() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  return (edx >> 22 & 1) && (edx >> 24 & 1);
+}
+
+// Linux hands a process AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction faults.
+bool amx_permitted() {
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+__attribute__((target("amx-tile,amx-bf16"), noinline)) double amx_bf16(int64_t iterations) {
+  TileConfig config;
+  std::memset(&config, 0, sizeof config);
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  alignas(64) static uint16_t a[16 * 32], b[16 * 32];
+  alignas(64) static float c[16 * 16];
+  for (int i = 0; i < 16 * 32; ++i) {
+    a[i] = 0x3f80;  // bf16 1.0
+    b[i] = 0x3380;  // bf16 2^-24
+  }
+  _tile_loadd(4, a, 64);
+  _tile_loadd(5, a, 64);
+  _tile_loadd(6, b, 64);
+  _tile_loadd(7, b, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t it = 0; it < iterations; ++it) {  // four independent accumulator tiles
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 64);
+  _tile_release();
+  volatile float sink = c[0];
+  (void)sink;
+  return 2.0 * 4 * 16 * 16 * 32 * static_cast<double>(iterations);
+}
+#endif
+
 double best_gflops(double (*kernel)(int64_t), int64_t iterations) {
   double best = 0.0;
   for (int rep = 0; rep < 5; ++rep) {
@@ -97,6 +167,16 @@ int main(int argc, char** argv) {
   std::printf("fp32 FMA (vfmadd231ps zmm)        %8.1f\n", fma);
   std::printf("bf16 dot product (vdpbf16ps zmm)  %8.1f\n", dot);
   std::printf("dot / FMA                         %8.2f\n", dot / fma);
+#ifdef HAVE_AMX
+  if (!cpu_has_amx_bf16())
+    std::printf("bf16 AMX tiles (tdpbf16ps)        n/a: no AMX-BF16 on this CPU\n");
+  else if (!amx_permitted())
+    std::printf("bf16 AMX tiles (tdpbf16ps)        n/a: the kernel refused the tile state\n");
+  else  // a tile product is ~100x a vector instruction's work: fewer rounds take as long
+    std::printf("bf16 AMX tiles (tdpbf16ps)        %8.1f\n", best_gflops(amx_bf16, iterations / 16 + 1));
+#else
+  std::printf("bf16 AMX tiles (tdpbf16ps)        n/a: not built (needs Linux and GCC >= 11 or clang >= 12)\n");
+#endif
   return 0;
 #endif
 }

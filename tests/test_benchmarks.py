@@ -261,8 +261,14 @@ def test_bf16_dot_throughput_micro_benchmark_builds_and_reports(tmp_path):
     lines = _build_and_run_micro_benchmark(tmp_path, "bf16_dot_throughput", ["-O2"], "200000")
     if len(lines) == 1 and lines[0].endswith("nothing to time"):
         pytest.skip(lines[0])
-    assert lines[0].startswith("one thread, GFLOP/s")
-    rows = {line.rsplit(None, 1)[0].split(" (")[0]: float(line.rsplit(None, 1)[1]) for line in lines[1:]}
+    assert lines[0].startswith("one thread, GFLOP/s") and len(lines) == 5
+    rows = {line.rsplit(None, 1)[0].split(" (")[0]: float(line.rsplit(None, 1)[1]) for line in lines[1:4]}
     assert set(rows) == {"fp32 FMA", "bf16 dot product", "dot / FMA"}
     assert rows["fp32 FMA"] > 0 and rows["bf16 dot product"] > 0
     assert rows["dot / FMA"] == pytest.approx(rows["bf16 dot product"] / rows["fp32 FMA"], abs=0.01)
+    # AMX tiles: a rate where the CPU has them (and the kernel grants the tile state), else why not
+    amx = lines[4].split(")", 1)[1].strip()
+    assert lines[4].startswith("bf16 AMX tiles (tdpbf16ps)")
+    assert amx.startswith("n/a: ") or float(amx) > 0
+    if os.path.exists("/proc/cpuinfo") and "amx_bf16" in open("/proc/cpuinfo").read():
+        assert not amx.startswith("n/a: no AMX"), lines[4]
