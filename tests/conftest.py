@@ -89,6 +89,21 @@ def served_by_cuda_binding(op, dispatch_key):
     return source is not None and source.endswith("/" + CUDA_BINDING_SOURCE)
 
 
+def cpuinfo():
+    """The first processor's fields of /proc/cpuinfo (vendor_id, flags, ...); {} where there is none."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not key.strip() and fields:
+                    break  # the blank line after the first processor
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
 def cpu_variants():
     if CUDA_EMULATION:  # the CUDA kernels run whatever the CPU variant: once is enough
         return [attention_ext.cpu_variant()]

@@ -7,7 +7,7 @@ import torch
 import attention_ext
 from attention_ext.reference import attention_reference
 
-from conftest import assert_close_to_reference, assert_lse_close, cpu_variants, rand
+from conftest import assert_close_to_reference, assert_lse_close, cpuinfo, cpu_variants, rand
 
 F = torch.nn.functional
 
@@ -183,17 +183,6 @@ def test_avx512bf16_variant_runs_its_own_bf16_forward():
         assert_close_to_reference(results[variant], ref, torch.bfloat16, budget)
 
 
-def _cpu_vendor():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 @pytest.mark.cpu_kernels
 def test_auto_takes_the_bf16_dot_variant_only_on_amd():
     # AVX512-BF16 dot products gave half the fp32 FMAs' flop rate on the Intel core measured and
@@ -201,7 +190,7 @@ def test_auto_takes_the_bf16_dot_variant_only_on_amd():
     info = attention_ext.build_info()
     supported = info["cpu_variants_supported"].split(",")
     assert info["cpu_variant_auto"] in supported
-    vendor = _cpu_vendor()
+    vendor = cpuinfo().get("vendor_id")
     if "avx512bf16" not in supported or vendor not in ("GenuineIntel", "AuthenticAMD"):
         pytest.skip(f"needs a CPU with AVX512-BF16 from Intel or AMD (vendor {vendor!r}, supported {supported})")
     expected = "avx512bf16" if vendor == "AuthenticAMD" else "avx512"
