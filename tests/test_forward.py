@@ -184,22 +184,100 @@ def test_avx512bf16_variant_runs_its_own_bf16_forward():
 
 
 @pytest.mark.cpu_kernels
-def test_auto_takes_the_bf16_dot_variant_only_on_amd():
-    # AVX512-BF16 dot products gave half the fp32 FMAs' flop rate on the Intel core measured and
-    # more than it on AMD's: 'auto' follows the vendor (never a timing), and is always supported.
+def test_auto_takes_amx_where_granted_else_the_bf16_dot_variant_only_on_amd():
+    # AMX tiles are the fastest bf16 products wherever the CPU has them and Linux grants the tile
+    # state. Without AMX: AVX512-BF16 dot products gave half the fp32 FMAs' flop rate on the Intel
+    # core measured and more than it on AMD's, so 'auto' follows the vendor (never a timing).
     info = attention_ext.build_info()
     supported = info["cpu_variants_supported"].split(",")
     assert info["cpu_variant_auto"] in supported
     vendor = cpuinfo().get("vendor_id")
-    if "avx512bf16" not in supported or vendor not in ("GenuineIntel", "AuthenticAMD"):
-        pytest.skip(f"needs a CPU with AVX512-BF16 from Intel or AMD (vendor {vendor!r}, supported {supported})")
-    expected = "avx512bf16" if vendor == "AuthenticAMD" else "avx512"
+    if "amx" in supported:
+        expected = "amx"
+    elif "avx512bf16" in supported and vendor in ("GenuineIntel", "AuthenticAMD"):
+        expected = "avx512bf16" if vendor == "AuthenticAMD" else "avx512"
+    else:
+        pytest.skip(f"needs a CPU with AMX or AVX512-BF16 from Intel or AMD (vendor {vendor!r}, supported {supported})")
     assert info["cpu_variant_auto"] == expected
     previous = attention_ext.cpu_variant()
     try:
         assert attention_ext.set_cpu_variant("auto") == expected
     finally:
         attention_ext.set_cpu_variant(previous)
+
+
+@pytest.mark.cpu_kernels
+def test_amx_is_supported_exactly_where_the_cpu_has_amx_bf16():
+    # The variant needs AMX-TILE and AMX-BF16 (and the kernel's grant of the tile state, which a
+    # Linux with AMX support gives): a CPU listing both flags gets it, one without never does.
+    info = attention_ext.build_info()
+    if "amx" not in info["cpu_variants_compiled"].split(","):
+        pytest.skip("the amx variant is not compiled here (needs x86-64 Linux and GCC >= 11 or clang >= 12)")
+    flags = cpuinfo().get("flags", "").split()
+    has_amx = "amx_tile" in flags and "amx_bf16" in flags and "avx512_bf16" in flags
+    assert ("amx" in info["cpu_variants_supported"].split(",")) == has_amx
+
+
+@pytest.mark.cpu_kernels
+@pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or the OS did not grant its tile state)")
+@pytest.mark.parametrize("n,m,dk,dv", [(100, 200, 64, 64), (64, 64, 128, 128), (48, 131, 96, 48), (17, 70, 80, 16),
+                                       (130, 190, 32, 72)])
+def test_amx_variant_runs_its_own_bf16_forward(n, m, dk, dv):
+    # Its bf16 tile products run on AMX tiles: Kᵀ transposed in 16 x 16 blocks where K rows are
+    # dense and d_k a multiple of 32 (else packed pair by pair), head dims padded to whole tiles,
+    # row blocks of 32 and 16 queries, column blocks of 32 and 16. P is rounded to bf16 as in the
+    # avx512bf16 variant, so its bf16 output differs from the avx512 variant's (fp32 P) while both
+    # stay within the bf16 budget; for every other dtype it runs the avx512 variant's code, bit for bit.
+    torch.manual_seed(0)
+    q, k = rand(2, 3, n, dk, dtype=torch.bfloat16), rand(2, 3, m, dk, dtype=torch.bfloat16)
+    v = rand(2, 3, m, dv, dtype=torch.bfloat16)
+    previous = attention_ext.cpu_variant()
+    results = {}
+    try:
+        for variant in ("amx", "avx512"):
+            attention_ext.set_cpu_variant(variant)
+            for causal in (False, True):
+                results[variant, causal] = attention_ext.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            results[variant, "fp32"] = attention_ext.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    finally:
+        attention_ext.set_cpu_variant(previous)
+    assert torch.equal(results["amx", "fp32"], results["avx512", "fp32"])
+    assert not torch.equal(results["amx", False], results["avx512", False])
+    for causal in (False, True):
+        ref = attention_reference(q, k, v, causal="top_left" if causal else None)[0]
+        budget = (attention_reference(q, k, v, causal="top_left" if causal else None, dtype=None)[0].double()
+                  - ref).abs().max().item()
+        for variant in ("amx", "avx512"):
+            assert_close_to_reference(results[variant, causal], ref, torch.bfloat16, budget)
+
+
+@pytest.mark.cpu_kernels
+@pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or the OS did not grant its tile state)")
+@pytest.mark.parametrize("m", [300, 4200])  # a head's packed K/V kept between query tiles (1 MiB), or repacked
+def test_amx_packed_key_values_are_reused_per_head_with_the_same_bits(m):
+    # Query tiles of one head reuse its packed key tiles, also across the query heads of a GQA
+    # group (one K/V head, broadcast); how a thread's chunk of items falls (1 or 2 threads) changes
+    # which tiles are reused, never the result.
+    torch.manual_seed(0)
+    q = rand(1, 2, 3, 150, 64, dtype=torch.bfloat16)
+    k, v = (rand(1, 2, 1, m, 64, dtype=torch.bfloat16).expand(1, 2, 3, m, 64) for _ in range(2))
+    previous, threads = attention_ext.cpu_variant(), torch.get_num_threads()
+    try:
+        attention_ext.set_cpu_variant("amx")
+        outs = []
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            outs.append(attention_ext.scaled_dot_product_attention(q, k, v))
+        attention_ext.set_cpu_variant("avx512")
+        fp32_p = attention_ext.scaled_dot_product_attention(q, k, v)
+    finally:
+        attention_ext.set_cpu_variant(previous)
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    ref = attention_reference(q, k, v)[0]
+    budget = (attention_reference(q, k, v, dtype=None)[0].double() - ref).abs().max().item()
+    assert_close_to_reference(outs[0], ref, torch.bfloat16, budget)
+    assert_close_to_reference(fp32_p, ref, torch.bfloat16, budget)
 
 
 def test_under_autocast_the_call_runs_in_the_autocast_dtype_as_torchs_does():

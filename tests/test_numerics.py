@@ -380,9 +380,9 @@ def test_low_precision_inputs_convert_exactly(cpu_variant, dtype, n, d):
     q = torch.zeros(2, n, k.shape[-1], dtype=dtype)
     out = attention_ext.attention(q, k, v)
     expected = (ints * unit).mean(0).to(dtype).expand(2, n, d)
-    if cpu_variant == "avx512bf16" and dtype == torch.bfloat16 and n > 8 and not CUDA_EMULATION:
-        # The AVX512-BF16 dot-product instruction (the bf16 tiled forward of that variant) treats
-        # subnormal inputs and results as zero, as oneDNN's bf16 GEMMs on that hardware do.
+    if cpu_variant in ("avx512bf16", "amx") and dtype == torch.bfloat16 and n > 8 and not CUDA_EMULATION:
+        # The AVX512-BF16 dot-product and AMX tile instructions (the bf16 tiled forward of those
+        # variants) treat subnormal inputs and results as zero, as oneDNN's bf16 GEMMs there do.
         expected = torch.zeros_like(expected)
     finite = torch.ones(d, dtype=torch.bool)
     finite[1:4] = False

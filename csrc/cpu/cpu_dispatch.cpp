@@ -4,6 +4,12 @@
 
 #include <ATen/Parallel.h>
 
+#if defined(ATTN_AMX_COMPILED)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -47,6 +53,9 @@ const KernelTable& kernels_avx512bf16() {
   return table_of<avx512bf16::fill_forward_kernels, avx512::fill_backward_kernels>("avx512bf16");
 }
 #endif
+#if defined(ATTN_AMX_COMPILED)
+const KernelTable& kernels_amx() { return table_of<amx::fill_forward_kernels, avx512::fill_backward_kernels>("amx"); }
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 // Every feature isa_begin.h's target() lists for a variant is checked, not only the vector width:
@@ -81,10 +90,29 @@ bool bf16_dot_pays() {
   return __builtin_cpu_is("amd");
 }
 #endif
+#if defined(ATTN_AMX_COMPILED)
+// AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22), and the tile state granted to this
+// process: Linux hands it out only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA,
+// once per process, for all its threads); without it the first tile instruction faults. Asked once.
+bool has_amx() {
+  static const bool usable = [] {
+    if (!has_avx512bf16()) return false;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!((edx >> 24) & 1u) || !((edx >> 22) & 1u)) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+#endif
 bool always() { return true; }
 
 const std::vector<Variant>& variants() {  // in order of preference
   static const std::vector<Variant> all = {
+#if defined(ATTN_AMX_COMPILED)
+      {"amx", &kernels_amx, &has_amx, &always},
+#endif
 #if defined(__x86_64__) || defined(_M_X64)
       {"avx512bf16", &kernels_avx512bf16, &has_avx512bf16, &bf16_dot_pays},
       {"avx512", &kernels_avx512, &has_avx512, &always},

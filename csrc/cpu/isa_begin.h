@@ -1,12 +1,12 @@
 // Opens one instruction-set variant of the CPU kernels in a translation unit. A variant's stage is
-//   #define ATTN_ISA_AVX512 1               (or ATTN_ISA_AVX512BF16, ATTN_ISA_AVX2, ATTN_ISA_GENERIC)
+//   #define ATTN_ISA_AVX512 1               (or ATTN_ISA_AMX, ATTN_ISA_AVX512BF16, ATTN_ISA_AVX2, ATTN_ISA_GENERIC)
 //   #define ATTN_STAGE forward              (or backward)
 //   #include "../isa_begin.h"
 //   #include "../forward_kernels.inc"       (or backward_kernels.inc)
 //   #include "../isa_end.h"
 // (csrc/cpu/variants/<isa>_<stage>.cpp), so touching one stage recompiles that stage's variants
-// (four forward, three backward) and nothing else. (The avx512bf16 variant differs from avx512 in the forward only; its
-// table takes avx512's backward.) This header includes what the kernels need, then sets the target
+// (five forward, three backward) and nothing else. (The amx and avx512bf16 variants differ from avx512 in the forward
+// only; their tables take avx512's backward.) This header includes what the kernels need, then sets the target
 // ISA (#pragma GCC target), the vector width ATTN_VEC_BYTES (64 AVX-512, 32 AVX2, 16 SSE2/NEON)
 // and the namespace attention_ext::cpu::<isa>. Everything a stage defines is static or in that
 // namespace and no header template is instantiated under the pragma for the first time, so no
@@ -25,9 +25,11 @@
 #include "kernel_table.h"
 #include "scratch_arena.h"
 
-#if defined(ATTN_ISA_AVX512BF16) || defined(ATTN_ISA_AVX512) || defined(ATTN_ISA_AVX2)
+#if defined(ATTN_ISA_AMX) || defined(ATTN_ISA_AVX512BF16) || defined(ATTN_ISA_AVX512) || defined(ATTN_ISA_AVX2)
 #if !(defined(__x86_64__) || defined(_M_X64))
 #define ATTN_ISA_SKIP 1  // an x86 variant in a build for another architecture: compiles to nothing
+#elif defined(ATTN_ISA_AMX) && !defined(ATTN_AMX_COMPILED)
+#define ATTN_ISA_SKIP 1  // a compiler or OS without AMX support (kernel_table.h): compiles to nothing
 #else
 // The intrinsics carry their own target attributes, so the header is included before the pragma.
 #include <immintrin.h>
@@ -36,6 +38,14 @@
 
 #if defined(ATTN_ISA_SKIP)
 #define ATTN_ISA_NAMESPACE unused_variant
+#elif defined(ATTN_ISA_AMX)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c,bmi2")
+#define ATTN_ISA_PUSHED 1
+#define ATTN_VEC_BYTES 64
+#define ATTN_BF16_DOT 1  // the bf16 pair packing of forward_bf16_dot.inc ...
+#define ATTN_BF16_AMX 1  // ... for the bf16 forward's tile products on AMX tiles
+#define ATTN_ISA_NAMESPACE amx
 #elif defined(ATTN_ISA_AVX512BF16)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c,bmi2")
@@ -59,7 +69,7 @@
 #define ATTN_VEC_BYTES 16
 #define ATTN_ISA_NAMESPACE generic
 #else
-#error "define one of ATTN_ISA_AVX512BF16, ATTN_ISA_AVX512, ATTN_ISA_AVX2, ATTN_ISA_GENERIC before isa_begin.h"
+#error "define one of ATTN_ISA_AMX, ATTN_ISA_AVX512BF16, ATTN_ISA_AVX512, ATTN_ISA_AVX2, ATTN_ISA_GENERIC before isa_begin.h"
 #endif
 
 #if !defined(ATTN_ISA_SKIP)

@@ -1,6 +1,6 @@
 // The CPU kernels of one instruction-set variant, as a table of plain functions.
 //
-// Each variant (avx512bf16, avx512, avx2, generic) is the same source compiled with its own target
+// Each variant (amx, avx512bf16, avx512, avx2, generic) is the same source compiled with its own target
 // flags and namespace, one translation unit per stage (isa_begin.h; variants/<isa>_<stage>.cpp).
 // The torch-facing binding picks a table at run time from what the CPU supports, so code built
 // for a wider ISA never runs on a CPU without it. No torch headers here: the kernel TUs must not
@@ -106,6 +106,13 @@ struct KernelTable {
   double (*tile_gemm_probe)(int64_t iterations);
 };
 
+// The amx variant needs a compiler with the AMX intrinsics (GCC 11, clang 12) and an OS that hands
+// a process the tile state on request (Linux 5.16's arch_prctl); elsewhere it is not compiled.
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define ATTN_AMX_COMPILED 1
+#endif
+
 // Each stage of a variant fills its part of the table (isa_end.h defines these).
 #define ATTN_DECLARE_VARIANT_STAGES(isa)   \
   namespace isa {                          \
@@ -117,6 +124,11 @@ ATTN_DECLARE_VARIANT_STAGES(generic)
 ATTN_DECLARE_VARIANT_STAGES(avx2)
 ATTN_DECLARE_VARIANT_STAGES(avx512)
 namespace avx512bf16 {
+void fill_forward_kernels(KernelTable&);  // its backward is avx512's
+}
+#endif
+#if defined(ATTN_AMX_COMPILED)
+namespace amx {
 void fill_forward_kernels(KernelTable&);  // its backward is avx512's
 }
 #endif
