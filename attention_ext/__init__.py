@@ -74,7 +74,7 @@ def build_info() -> dict:
 
 
 def cpu_variant() -> str:
-    """The CPU kernel variant in use: 'avx512bf16', 'avx512', 'avx2' or 'generic'."""
+    """The CPU kernel variant in use: 'amx', 'avx512bf16', 'avx512', 'avx2' or 'generic'."""
     return torch.ops.attention_ext.cpu_variant()
 
 
