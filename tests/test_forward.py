@@ -222,33 +222,47 @@ def test_amx_is_supported_exactly_where_the_cpu_has_amx_bf16():
 @pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or the OS did not grant its tile state)")
 @pytest.mark.parametrize("n,m,dk,dv", [(100, 200, 64, 64), (64, 64, 128, 128), (48, 131, 96, 48), (17, 70, 80, 16),
                                        (130, 190, 32, 72)])
-def test_amx_variant_runs_its_own_bf16_forward(n, m, dk, dv):
-    # Its bf16 tile products run on AMX tiles: Kᵀ transposed in 16 x 16 blocks where K rows are
-    # dense and d_k a multiple of 32 (else packed pair by pair), head dims padded to whole tiles,
-    # row blocks of 32 and 16 queries, column blocks of 32 and 16. P is rounded to bf16 as in the
-    # avx512bf16 variant, so its bf16 output differs from the avx512 variant's (fp32 P) while both
-    # stay within the bf16 budget; for every other dtype it runs the avx512 variant's code, bit for bit.
+def test_amx_variant_runs_its_own_bf16_forward_and_backward(n, m, dk, dv):
+    # Its bf16 tile products run on AMX tiles: Kᵀ (and in the backward Vᵀ, Qᵀ, dOᵀ) transposed in
+    # 16 x 16 blocks where rows are dense and the head dim a multiple of 32 (else packed pair by
+    # pair), head dims padded to whole tiles, row blocks of 32 and 16, column blocks of 32 and 16.
+    # P (and in the backward dS) is rounded to bf16 for the products that take it, so its bf16
+    # results differ from the avx512 variant's (fp32 P and dS) while both stay within the bf16
+    # budget; for every other dtype it runs the avx512 variant's code, bit for bit.
     torch.manual_seed(0)
     q, k = rand(2, 3, n, dk, dtype=torch.bfloat16), rand(2, 3, m, dk, dtype=torch.bfloat16)
     v = rand(2, 3, m, dv, dtype=torch.bfloat16)
+    grad_out = rand(2, 3, n, dv, dtype=torch.bfloat16)
     previous = attention_ext.cpu_variant()
-    results = {}
+    results, grads = {}, {}
     try:
         for variant in ("amx", "avx512"):
             attention_ext.set_cpu_variant(variant)
             for causal in (False, True):
-                results[variant, causal] = attention_ext.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            results[variant, "fp32"] = attention_ext.scaled_dot_product_attention(q.float(), k.float(), v.float())
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                out = attention_ext.scaled_dot_product_attention(*leaves, is_causal=causal)
+                results[variant, causal] = out.detach()
+                grads[variant, causal] = torch.autograd.grad(out, leaves, grad_out)
+            leaves32 = [t.float().requires_grad_() for t in (q, k, v)]
+            out32 = attention_ext.scaled_dot_product_attention(*leaves32)
+            results[variant, "fp32"] = [out32.detach(), *torch.autograd.grad(out32, leaves32, grad_out.float())]
     finally:
         attention_ext.set_cpu_variant(previous)
-    assert torch.equal(results["amx", "fp32"], results["avx512", "fp32"])
+    assert all(torch.equal(a, b) for a, b in zip(results["amx", "fp32"], results["avx512", "fp32"]))
     assert not torch.equal(results["amx", False], results["avx512", False])
+    assert not torch.equal(grads["amx", False][0], grads["avx512", False][0])
     for causal in (False, True):
-        ref = attention_reference(q, k, v, causal="top_left" if causal else None)[0]
-        budget = (attention_reference(q, k, v, causal="top_left" if causal else None, dtype=None)[0].double()
-                  - ref).abs().max().item()
+        mode = "top_left" if causal else None
+        ref = attention_reference(q, k, v, causal=mode)[0]
+        budget = (attention_reference(q, k, v, causal=mode, dtype=None)[0].double() - ref).abs().max().item()
+        leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_grads = torch.autograd.grad(attention_reference(*leaves64, causal=mode)[0], leaves64, grad_out.double())
         for variant in ("amx", "avx512"):
             assert_close_to_reference(results[variant, causal], ref, torch.bfloat16, budget)
+            for name, got, want in zip("qkv", grads[variant, causal], ref_grads):
+                # bf16 inputs and gradients: a few ulp (2^-8) of the largest entry
+                err = (got.double() - want).abs().max().item()
+                assert err <= 2e-2 * want.abs().max().item(), (variant, causal, name, err)
 
 
 @pytest.mark.cpu_kernels

@@ -54,7 +54,7 @@ const KernelTable& kernels_avx512bf16() {
 }
 #endif
 #if defined(ATTN_AMX_COMPILED)
-const KernelTable& kernels_amx() { return table_of<amx::fill_forward_kernels, avx512::fill_backward_kernels>("amx"); }
+const KernelTable& kernels_amx() { return table_of<amx::fill_forward_kernels, amx::fill_backward_kernels>("amx"); }
 #endif
 
 #if defined(__x86_64__) || defined(_M_X64)

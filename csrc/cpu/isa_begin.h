@@ -5,8 +5,8 @@
 //   #include "../forward_kernels.inc"       (or backward_kernels.inc)
 //   #include "../isa_end.h"
 // (csrc/cpu/variants/<isa>_<stage>.cpp), so touching one stage recompiles that stage's variants
-// (five forward, three backward) and nothing else. (The amx and avx512bf16 variants differ from avx512 in the forward
-// only; their tables take avx512's backward.) This header includes what the kernels need, then sets the target
+// (five forward, four backward) and nothing else. (The avx512bf16 variant differs from avx512 in the forward only; its
+// table takes avx512's backward.) This header includes what the kernels need, then sets the target
 // ISA (#pragma GCC target), the vector width ATTN_VEC_BYTES (64 AVX-512, 32 AVX2, 16 SSE2/NEON)
 // and the namespace attention_ext::cpu::<isa>. Everything a stage defines is static or in that
 // namespace and no header template is instantiated under the pragma for the first time, so no
@@ -43,8 +43,7 @@
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c,bmi2")
 #define ATTN_ISA_PUSHED 1
 #define ATTN_VEC_BYTES 64
-#define ATTN_BF16_DOT 1  // the bf16 pair packing of forward_bf16_dot.inc ...
-#define ATTN_BF16_AMX 1  // ... for the bf16 forward's tile products on AMX tiles
+#define ATTN_BF16_AMX 1  // the bf16 forward's and backward's tile products on AMX tiles
 #define ATTN_ISA_NAMESPACE amx
 #elif defined(ATTN_ISA_AVX512BF16)
 #pragma GCC push_options

@@ -128,9 +128,7 @@ void fill_forward_kernels(KernelTable&);  // its backward is avx512's
 }
 #endif
 #if defined(ATTN_AMX_COMPILED)
-namespace amx {
-void fill_forward_kernels(KernelTable&);  // its backward is avx512's
-}
+ATTN_DECLARE_VARIANT_STAGES(amx)
 #endif
 #undef ATTN_DECLARE_VARIANT_STAGES
 
