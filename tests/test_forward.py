@@ -267,6 +267,26 @@ def test_amx_variant_runs_its_own_bf16_forward_and_backward(n, m, dk, dv):
 
 @pytest.mark.cpu_kernels
 @pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or the OS did not grant its tile state)")
+def test_amx_variant_keeps_decode_shaped_calls_on_the_avx512_code():
+    # At most 8 query rows: the decode forward, and a backward whose tiles would be mostly padding,
+    # run the avx512 variant's code in bf16 too, bit for bit (gradients included).
+    torch.manual_seed(0)
+    q, k, v = rand(2, 4, 8, 64, dtype=torch.bfloat16), rand(2, 4, 300, 64, dtype=torch.bfloat16), rand(2, 4, 300, 64, dtype=torch.bfloat16)
+    previous = attention_ext.cpu_variant()
+    results = {}
+    try:
+        for variant in ("amx", "avx512"):
+            attention_ext.set_cpu_variant(variant)
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = attention_ext.scaled_dot_product_attention(*leaves)
+            results[variant] = [out.detach(), *torch.autograd.grad(out, leaves, torch.ones_like(out))]
+    finally:
+        attention_ext.set_cpu_variant(previous)
+    assert all(torch.equal(a, b) for a, b in zip(results["amx"], results["avx512"]))
+
+
+@pytest.mark.cpu_kernels
+@pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or the OS did not grant its tile state)")
 @pytest.mark.parametrize("m", [300, 4200])  # a head's packed K/V kept between query tiles (1 MiB), or repacked
 def test_amx_packed_key_values_are_reused_per_head_with_the_same_bits(m):
     # Query tiles of one head reuse its packed key tiles, also across the query heads of a GQA
