@@ -1,5 +1,5 @@
 // Chooses the CPU kernel variant: the preferred one the CPU supports (auto_variant), or the one named by the
-// ATTENTION_EXT_CPU_ISA environment variable (avx512bf16 | avx512 | avx2 | generic), or set_cpu_variant().
+// ATTENTION_EXT_CPU_ISA environment variable (amx | avx512bf16 | avx512 | avx2 | generic), or set_cpu_variant().
 #pragma once
 #include <string>
 #include <vector>
@@ -13,7 +13,8 @@ const KernelTable& active_kernels();
 // Variants this build contains and this CPU can run, in order of preference.
 std::vector<std::string> supported_variants();
 // The variant "auto" selects on this CPU: the first supported one that is also preferred here
-// (avx512bf16 only on AMD's cores, where its bf16 dot products outrun the FMAs).
+// (amx wherever the CPU has it; else avx512bf16 only on AMD's cores, where its bf16 dot products
+// outrun the FMAs).
 std::string auto_variant();
 // Variants compiled into this build.
 std::vector<std::string> compiled_variants();
