@@ -1,5 +1,6 @@
 """Forward: the fused kernels compute softmax(Q Kᵀ · scale) V like the float64 reference."""
 import math
+import os
 
 import pytest
 import torch
@@ -216,6 +217,61 @@ def test_amx_is_supported_exactly_where_the_cpu_has_amx_bf16():
     flags = cpuinfo().get("flags", "").split()
     has_amx = "amx_tile" in flags and "amx_bf16" in flags and "avx512_bf16" in flags
     assert ("amx" in info["cpu_variants_supported"].split(",")) == has_amx
+
+
+TILE_STATE_RUN = r"""
+import ctypes, sys, torch
+import attention_ext
+
+libc = ctypes.CDLL(None, use_errno=True)
+def tiles_permitted():  # arch_prctl(ARCH_GET_XCOMP_PERM): the xfeatures this process may use
+    features = ctypes.c_ulong(0)
+    assert libc.syscall(158, 0x1022, ctypes.byref(features)) == 0
+    return bool(features.value >> 18 & 1)  # XFEATURE_XTILEDATA
+
+def call(n):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, m, 64).bfloat16() for m in (n, 80, 80))
+    return attention_ext.scaled_dot_product_attention(q, k, v)
+
+assert attention_ext.build_info()["cpu_variant"] == "amx"
+torch.manual_seed(0)
+attention_ext.scaled_dot_product_attention(*torch.randn(3, 1, 2, 40, 64).unbind())  # float32
+call(4)  # a bf16 decode call: not on tiles
+assert attention_ext.build_info()["amx_tile_state"] == "not requested" and not tiles_permitted()
+if sys.argv[1] == "small_signal_stack":
+    # A signal stack too small for the tile state: Linux refuses the request then.
+    class StackT(ctypes.Structure):
+        _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
+    stack = ctypes.create_string_buffer(8192)
+    assert libc.sigaltstack(ctypes.byref(StackT(ctypes.addressof(stack), 0, 8192)), None) == 0
+out = call(100)
+state = attention_ext.build_info()["amx_tile_state"]
+print(state, tiles_permitted())
+attention_ext.set_cpu_variant("avx512")
+print(torch.equal(out, call(100)))
+"""
+
+
+@pytest.mark.cpu_kernels
+@pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or the OS does not offer its tile state)")
+@pytest.mark.parametrize("signal_stack", ["none", "small_signal_stack"])
+def test_amx_tile_state_is_requested_on_the_first_tile_call_and_a_refusal_falls_back(signal_stack):
+    # Listing or choosing the amx variant, float32 calls and bf16 decode calls leave the process
+    # without AMX's tile state (Linux would then refuse every smaller signal stack); the first bf16
+    # call that runs on tiles requests it. Where Linux refuses (here: a signal stack too small for
+    # the tiles), the amx variant's bf16 kernels run the avx512 variant's code, bit for bit.
+    import subprocess
+    import sys
+    env = {key: value for key, value in os.environ.items() if key != "ATTENTION_EXT_CPU_ISA"}
+    result = subprocess.run([sys.executable, "-c", TILE_STATE_RUN, signal_stack], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    state, permitted, same_as_avx512 = result.stdout.split()
+    if signal_stack == "none":
+        assert (state, permitted, same_as_avx512) == ("granted", "True", "False")
+    else:
+        assert (state, permitted, same_as_avx512) == ("refused", "False", "True")
 
 
 @pytest.mark.cpu_kernels

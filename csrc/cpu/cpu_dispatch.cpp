@@ -91,19 +91,27 @@ bool bf16_dot_pays() {
 }
 #endif
 #if defined(ATTN_AMX_COMPILED)
-// AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22), and the tile state granted to this
-// process: Linux hands it out only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA,
-// once per process, for all its threads); without it the first tile instruction faults. Asked once.
+constexpr long kXfeatureXtiledata = 18;
+// AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22), and a kernel that can hand out the
+// tile state (arch_prctl ARCH_GET_XCOMP_SUPP lists XFEATURE_XTILEDATA). The state itself is
+// requested only when a tile kernel first runs (amx_tile_state_granted): a process without it
+// faults on the first tile instruction.
 bool has_amx() {
   static const bool usable = [] {
     if (!has_avx512bf16()) return false;
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
     if (!((edx >> 24) & 1u) || !((edx >> 22) & 1u)) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    constexpr long kArchGetXcompSupp = 0x1021;
+    unsigned long features = 0;
+    return syscall(SYS_arch_prctl, kArchGetXcompSupp, &features) == 0 && ((features >> kXfeatureXtiledata) & 1ul);
   }();
   return usable;
+}
+
+std::atomic<int>& amx_request_state() {  // 0: not requested, 1: granted, 2: refused
+  static std::atomic<int> state{0};
+  return state;
 }
 #endif
 bool always() { return true; }
@@ -187,6 +195,31 @@ double probe_gflops(double (*probe)(int64_t), int64_t iterations) {
   return total / seconds / 1e9;
 }
 }  // namespace
+
+#if defined(ATTN_AMX_COMPILED)
+// arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: once per process, for all its threads.
+// (Linux refuses it where a thread's signal stack is too small for the tile state.)
+bool amx_tile_state_granted() {
+  static const bool granted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023;
+    const bool ok = has_amx() && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    amx_request_state().store(ok ? 1 : 2, std::memory_order_release);
+    return ok;
+  }();
+  return granted;
+}
+
+const char* amx_tile_state() {
+  switch (amx_request_state().load(std::memory_order_acquire)) {
+    case 1: return "granted";
+    case 2: return "refused";
+    default: return "not requested";
+  }
+}
+#else
+bool amx_tile_state_granted() { return false; }
+const char* amx_tile_state() { return "not compiled"; }
+#endif
 
 double fma_peak_gflops(int64_t iterations) { return probe_gflops(active_kernels().fma_probe, iterations); }
 

@@ -133,5 +133,16 @@ ATTN_DECLARE_VARIANT_STAGES(amx)
 #endif
 #undef ATTN_DECLARE_VARIANT_STAGES
 
+// Whether this process holds AMX's tile state (cpu_dispatch.cpp): Linux grants it on request, and
+// the request is made here, once, on the first call that would run tile instructions, not when
+// the amx variant is chosen or listed: a granted process must give every signal stack room for
+// the tiles (sigaltstack refuses smaller ones), which a process that never runs a bf16 kernel on
+// tiles should not have to. Where it is refused, the amx variant's bf16 kernels run the avx512
+// variant's code. The answer never changes within a process, so every pass of every call takes
+// the same side. False where the amx variant is not compiled.
+bool amx_tile_state_granted();
+// "granted", "refused", or "not requested" (none of the amx variant's tile kernels has run yet).
+const char* amx_tile_state();
+
 }  // namespace cpu
 }  // namespace attention_ext
