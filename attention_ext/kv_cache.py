@@ -89,21 +89,28 @@ def _per_entry(t, name, batch, device):
     return t.tolist()
 
 
-def _rotate(x, cos, sin, positions, interleaved):
-    """Rotary embedding of the first 2·cos.shape[1] dims of x (batch, rows, heads, d) at
-    positions (batch, rows), computed in float32 (float64 for float64 x)."""
-    half = cos.shape[1]
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    c = cos.to(acc)[positions].unsqueeze(2)
-    s = sin.to(acc)[positions].unsqueeze(2)
-    part = x[..., :2 * half].to(acc)
+def _rotation(cos, sin, positions, acc):
+    """cos + i·sin of the rotary tables at positions (batch, rows): (batch, rows, 1, rotary_dim / 2)
+    complex numbers of the float dtype acc (only the rows asked for are converted)."""
+    return torch.complex(cos[positions].to(acc), sin[positions].to(acc)).unsqueeze(2)
+
+
+def _rotate(x, rotation, interleaved):
+    """Rotary embedding of the first rotary_dim dims of x (batch, rows, heads, d) by rotation
+    (_rotation): each pair (x1, x2) becomes (x1·c − x2·s, x1·s + x2·c), one complex product, in
+    rotation's precision (float32; float64 for float64 x), the result stored in x's dtype. The pairs
+    are neighbours (interleaved) or the two halves of the rotated dims. (A handful of torch ops: a
+    decode step's whole rotation costs about what one small kernel launch does.)"""
+    half = rotation.shape[-1]
+    part = x[..., :2 * half].to(rotation.real.dtype)
     if interleaved:
-        x1, x2 = part[..., 0::2], part[..., 1::2]
-        rotated = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+        pairs = torch.view_as_complex(part.contiguous().unflatten(-1, (half, 2)))
+        rotated = torch.view_as_real(pairs * rotation).flatten(-2)
     else:
-        x1, x2 = part[..., :half], part[..., half:]
-        rotated = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
-    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+        pairs = torch.complex(part[..., :half], part[..., half:])
+        rotated = torch.view_as_real(pairs * rotation).transpose(-1, -2).flatten(-2)
+    rotated = rotated.to(x.dtype)
+    return rotated if 2 * half == x.shape[-1] else torch.cat((rotated, x[..., 2 * half:]), dim=-1)
 
 
 def _refuse_forward_ad(named):
@@ -284,13 +291,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                               f"head_dim ({q.shape[-1]}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
         # FlashAttention rotates q row by row only for a causal or windowed call.
         local = causal or window_left >= 0 or window_right >= 0
-        q_positions = start + (torch.arange(seqlen_q, device=device) if local
-                               else torch.zeros(seqlen_q, dtype=torch.int64, device=device))
-        last = max([int(positions.max()) if new else -1] + [int(q_positions.max()) if seqlen_q else -1])
+        last = max([max(lengths) + new - 1 if new else -1] +
+                   [max(lengths) + (seqlen_q - 1 if local else 0) if seqlen_q else -1])
         if last >= rotary_cos.shape[0]:
             _fail(ValueError, f"position {last} is beyond the rotary tables' {rotary_cos.shape[0]} positions")
-        k = _rotate(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
-        q = _rotate(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        rotation = _rotation(rotary_cos, rotary_sin, positions, acc)
+        if not (local and seqlen_q == new):  # (else q's positions are the new keys')
+            q_positions = start + (torch.arange(seqlen_q, device=device) if local
+                                   else torch.zeros(seqlen_q, dtype=torch.int64, device=device))
+            q_rotation = _rotation(rotary_cos, rotary_sin, q_positions, acc)
+        else:
+            q_rotation = rotation
+        k = _rotate(k, rotation, rotary_interleaved)
+        q = _rotate(q, q_rotation, rotary_interleaved)
 
     if k is not None and new > 0:
         if paged:
