@@ -89,28 +89,34 @@ def _per_entry(t, name, batch, device):
     return t.tolist()
 
 
-def _rotation(cos, sin, positions, acc):
-    """cos + i·sin of the rotary tables at positions (batch, rows): (batch, rows, 1, rotary_dim / 2)
-    complex numbers of the float dtype acc (only the rows asked for are converted)."""
-    return torch.complex(cos[positions].to(acc), sin[positions].to(acc)).unsqueeze(2)
+def _rotation(cos, sin, positions, acc, interleaved):
+    """The rotary tables at positions (batch, rows), only those rows converted to the float dtype
+    acc, laid out like the dims they rotate: (cos, signed sin), each (batch, rows, 1, rotary_dim),
+    with each pair's cos on both its members and its sin negated on the first."""
+    c, s = cos[positions].to(acc), sin[positions].to(acc)
+    if interleaved:
+        both, signed = torch.stack((c, c), dim=-1).flatten(-2), torch.stack((-s, s), dim=-1).flatten(-2)
+    else:
+        both, signed = torch.cat((c, c), dim=-1), torch.cat((-s, s), dim=-1)
+    return both.unsqueeze(2), signed.unsqueeze(2)
 
 
 def _rotate(x, rotation, interleaved):
     """Rotary embedding of the first rotary_dim dims of x (batch, rows, heads, d) by rotation
-    (_rotation): each pair (x1, x2) becomes (x1·c − x2·s, x1·s + x2·c), one complex product, in
-    rotation's precision (float32; float64 for float64 x), the result stored in x's dtype. The pairs
-    are neighbours (interleaved) or the two halves of the rotated dims. (A handful of torch ops: a
-    decode step's whole rotation costs about what one small kernel launch does.)"""
-    half = rotation.shape[-1]
-    part = x[..., :2 * half].to(rotation.real.dtype)
+    (_rotation): each pair (x1, x2), neighbours (interleaved) or the two halves of the rotated
+    dims, becomes (x1·c − x2·s, x2·c + x1·s), in rotation's precision (float32; float64 for
+    float64 x), stored in x's dtype. As x·cos + partner·signed sin: two products and a sum per
+    element, so the bits are those of the formula's own and do not depend on where x lies (a few
+    torch ops for the whole rotation)."""
+    both, signed = rotation
+    dims = both.shape[-1]
+    part = x[..., :dims].to(both.dtype)
     if interleaved:
-        pairs = torch.view_as_complex(part.contiguous().unflatten(-1, (half, 2)))
-        rotated = torch.view_as_real(pairs * rotation).flatten(-2)
+        partner = part.unflatten(-1, (dims // 2, 2)).flip(-1).flatten(-2)
     else:
-        pairs = torch.complex(part[..., :half], part[..., half:])
-        rotated = torch.view_as_real(pairs * rotation).transpose(-1, -2).flatten(-2)
-    rotated = rotated.to(x.dtype)
-    return rotated if 2 * half == x.shape[-1] else torch.cat((rotated, x[..., 2 * half:]), dim=-1)
+        partner = part.roll(dims // 2, dims=-1)
+    rotated = (part * both + partner * signed).to(x.dtype)
+    return rotated if dims == x.shape[-1] else torch.cat((rotated, x[..., dims:]), dim=-1)
 
 
 def _refuse_forward_ad(named):
@@ -296,11 +302,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if last >= rotary_cos.shape[0]:
             _fail(ValueError, f"position {last} is beyond the rotary tables' {rotary_cos.shape[0]} positions")
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        rotation = _rotation(rotary_cos, rotary_sin, positions, acc)
+        rotation = _rotation(rotary_cos, rotary_sin, positions, acc, rotary_interleaved)
         if not (local and seqlen_q == new):  # (else q's positions are the new keys')
             q_positions = start + (torch.arange(seqlen_q, device=device) if local
                                    else torch.zeros(seqlen_q, dtype=torch.int64, device=device))
-            q_rotation = _rotation(rotary_cos, rotary_sin, q_positions, acc)
+            q_rotation = _rotation(rotary_cos, rotary_sin, q_positions, acc, rotary_interleaved)
         else:
             q_rotation = rotation
         k = _rotate(k, rotation, rotary_interleaved)

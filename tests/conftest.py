@@ -6,6 +6,7 @@ that precision (k = 2 forward, 4 for gradients), plus a small absolute floor.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -108,6 +109,22 @@ def cpu_variants():
     if CUDA_EMULATION:  # the CUDA kernels run whatever the CPU variant: once is enough
         return [attention_ext.cpu_variant()]
     return attention_ext.build_info()["cpu_variants_supported"].split(",")
+
+
+@functools.lru_cache(maxsize=None)
+def amx_tiles() -> bool:
+    """Whether the amx variant's bf16 kernels run on AMX tiles in this process: the CPU has AMX
+    and Linux granted the tile state, which the first call that would run on tiles requests (one
+    is made here); where it was refused they run the avx512 variant's code."""
+    if CUDA_EMULATION or "amx" not in cpu_variants():
+        return False
+    previous = attention_ext.cpu_variant()
+    try:
+        attention_ext.set_cpu_variant("amx")
+        attention_ext.attention(*torch.zeros(3, 1, 16, 32, dtype=torch.bfloat16).unbind())
+    finally:
+        attention_ext.set_cpu_variant(previous)
+    return attention_ext.build_info()["amx_tile_state"] == "granted"
 
 
 def pytest_configure(config):

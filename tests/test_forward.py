@@ -8,7 +8,7 @@ import torch
 import attention_ext
 from attention_ext.reference import attention_reference
 
-from conftest import assert_close_to_reference, assert_lse_close, cpuinfo, cpu_variants, rand
+from conftest import amx_tiles, assert_close_to_reference, assert_lse_close, cpuinfo, cpu_variants, rand
 
 F = torch.nn.functional
 
@@ -254,7 +254,7 @@ print(torch.equal(out, call(100)))
 
 
 @pytest.mark.cpu_kernels
-@pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or the OS does not offer its tile state)")
+@pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or Linux does not offer its tile state)")
 @pytest.mark.parametrize("signal_stack", ["none", "small_signal_stack"])
 def test_amx_tile_state_is_requested_on_the_first_tile_call_and_a_refusal_falls_back(signal_stack):
     # Listing or choosing the amx variant, float32 calls and bf16 decode calls leave the process
@@ -263,7 +263,7 @@ def test_amx_tile_state_is_requested_on_the_first_tile_call_and_a_refusal_falls_
     # the tiles), the amx variant's bf16 kernels run the avx512 variant's code, bit for bit.
     import subprocess
     import sys
-    env = {key: value for key, value in os.environ.items() if key != "ATTENTION_EXT_CPU_ISA"}
+    env = {key: value for key, value in os.environ.items() if not key.startswith("ATTENTION_EXT_CPU_")}
     result = subprocess.run([sys.executable, "-c", TILE_STATE_RUN, signal_stack], env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -275,7 +275,7 @@ def test_amx_tile_state_is_requested_on_the_first_tile_call_and_a_refusal_falls_
 
 
 @pytest.mark.cpu_kernels
-@pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or the OS did not grant its tile state)")
+@pytest.mark.skipif(not amx_tiles(), reason="this CPU has no AMX (or Linux refused this process its tile state)")
 @pytest.mark.parametrize("n,m,dk,dv", [(100, 200, 64, 64), (64, 64, 128, 128), (48, 131, 96, 48), (17, 70, 80, 16),
                                        (130, 190, 32, 72)])
 def test_amx_variant_runs_its_own_bf16_forward_and_backward(n, m, dk, dv):
@@ -322,7 +322,7 @@ def test_amx_variant_runs_its_own_bf16_forward_and_backward(n, m, dk, dv):
 
 
 @pytest.mark.cpu_kernels
-@pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or the OS did not grant its tile state)")
+@pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or Linux does not offer its tile state)")
 def test_amx_variant_keeps_decode_shaped_calls_on_the_avx512_code():
     # At most 8 query rows: the decode forward, and a backward whose tiles would be mostly padding,
     # run the avx512 variant's code in bf16 too, bit for bit (gradients included).
@@ -342,7 +342,7 @@ def test_amx_variant_keeps_decode_shaped_calls_on_the_avx512_code():
 
 
 @pytest.mark.cpu_kernels
-@pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or the OS did not grant its tile state)")
+@pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or Linux does not offer its tile state)")
 @pytest.mark.parametrize("m", [300, 4200])  # a head's packed K/V kept between query tiles (1 MiB), or repacked
 def test_amx_packed_key_values_are_reused_per_head_with_the_same_bits(m):
     # Query tiles of one head reuse its packed key tiles, also across the query heads of a GQA

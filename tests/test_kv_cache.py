@@ -406,6 +406,29 @@ def test_table_slots_past_an_entry_s_blocks_may_hold_anything():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+def test_rotary_reads_q_and_k_wherever_they_lie(dtype, interleaved):
+    """q and the new k as slices of larger buffers at odd element offsets, and as transposed views,
+    give the bits of contiguous copies (rotary on every head dim, and on half of it)."""
+    g = torch.Generator().manual_seed(11)
+    for rotary_dim in (8, 4):
+        cos, sin = rotary_tables(16, rotary_dim)
+        k_cache, v_cache = (torch.randn(1, 16, 2, 8, generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(1 + 2 * 4 * 8, generator=g).to(dtype)[1:].view(1, 2, 4, 8)  # odd offset
+        k = torch.randn(1, 2, 2, 9, generator=g).to(dtype)[..., 1:]  # odd offset, strided rows
+        v = torch.randn(1, 2, 2, 8, generator=g).to(dtype)
+        q_t = q.clone().transpose(1, 2).contiguous().transpose(1, 2)  # (heads, rows) stored the other way
+        results = []
+        for q_in, k_in in ((q, k), (q_t, k), (q.contiguous(), k.contiguous())):
+            caches = (k_cache.clone(), v_cache.clone())
+            out = flash_attn_with_kvcache(q_in, *caches, k_in, v, rotary_cos=cos, rotary_sin=sin,
+                                          cache_seqlens=5, causal=True, rotary_interleaved=interleaved)
+            results.append((out, *caches))
+        for got in results[:2]:
+            assert all(torch.equal(a, b) for a, b in zip(got, results[2])), rotary_dim
+
+
 def test_bad_direct_op_calls_never_crash():
     """The op checks lengths, rows and block ids against the cache itself: in a subprocess that
     must survive, every bad call raises."""
