@@ -19,6 +19,7 @@
 
 #include <memory>
 #include <type_traits>
+#include <utility>
 
 #include "../attention_semantics.h"
 #include "../philox.h"
