@@ -149,7 +149,7 @@ def _check_window(window):
 
 def _check_softcap(softcap):
     """softcap=None (or 0.0, FlashAttention's "none") or a finite number > 0 -> the ops' float."""
-    if softcap is None:
+    if softcap is None or (type(softcap) is float and softcap == 0.0):
         return 0.0
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"attention_ext: softcap must be a number or None, got {type(softcap).__name__}")

@@ -77,6 +77,9 @@ def _check_layout(q, k, v):
 def _band_from(causal, window_size):
     """FlashAttention's causal / window_size pair as this package's (causal kind, window):
     causal=True is bottom-right causal (window (-1, 0)); -1 leaves a side unbounded."""
+    if type(causal) is bool and type(window_size) is tuple and len(window_size) == 2 and \
+            type(window_size[0]) is int and type(window_size[1]) is int and min(window_size) >= -1:
+        return ("bottom_right" if causal else None), window_size  # (the common case, without the checks below)
     causal = flag(causal, "causal", "attention_ext.flash: ", integers=True)
     try:
         left, right = window_size

@@ -119,6 +119,26 @@ def _rotate(x, rotation, interleaved):
     return rotated if dims == x.shape[-1] else torch.cat((rotated, x[..., dims:]), dim=-1)
 
 
+_FLASH_RULES = []
+
+
+def _flash_rules():
+    """flash_attn_func's window and ALiBi rules (flash imports this module: looked up on first use)."""
+    if not _FLASH_RULES:
+        from .flash import _band_from, _check_alibi
+        _FLASH_RULES.extend((_band_from, _check_alibi))
+    return _FLASH_RULES
+
+
+def _heads_first(cache, group_dim):
+    """A (rows or blocks, length, kv_heads, d) cache as the view (rows, kv_heads, [1,] length, d)."""
+    rows, length, kv_heads, d = cache.shape
+    st = cache.stride()
+    if group_dim:
+        return cache.as_strided((rows, kv_heads, 1, length, d), (st[0], st[2], 0, st[1], st[3]))
+    return cache.as_strided((rows, kv_heads, length, d), (st[0], st[2], st[1], st[3]))
+
+
 def _refuse_forward_ad(named):
     """no_grad does not stop forward-mode AD, and the op has no jvp: its tangents would be dropped
     (vmap is fine: torch runs the op once per batch entry)."""
@@ -191,8 +211,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _fail(ValueError, f"a paged k_cache needs at least one block of at least one slot, got shape "
                           f"{tuple(k_cache.shape)} (num_blocks, block_size, kv_heads, head_dim)")
     kv_heads, device = k_cache.shape[2], q.device
-    from .flash import _band_from, _check_alibi  # (flash imports this module)
-
+    _band_from, _check_alibi = _flash_rules()
     _, (window_left, window_right) = _band_from(causal, window_size)
     if causal:
         window_right = 0
@@ -265,7 +284,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                               f"blocks (entry {b} uses its blocks {int(first[b])}..{int(stop[b]) - 1})")
     # Every rule that can refuse the call, before anything is written (the op checks them again).
     _arguments.band_rules(_arguments.enforce, 2 if causal else 0, window_left, window_right, seqlen_q, capacity)
-    _arguments.softcap_rules(_arguments.enforce, softcap, q.dtype)
+    if softcap != 0.0:  # (0.0, none, passes every rule)
+        _arguments.softcap_rules(_arguments.enforce, softcap, q.dtype)
     groups = heads // kv_heads
     slopes = alibi_slopes
     if slopes is not None:
@@ -326,23 +346,30 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # once for all of them. The CUDA kernels do not group heads; for them one query row per entry
     # with nothing that depends on the row's position (no window, no ALiBi; causal is then no rule
     # at all, as a right bound never hides a key from the last position's row) is folded: the
-    # groups become the rows of one call.
+    # groups become the rows of one call. (Views by as_strided: one dispatch per tensor, where a
+    # decode step's few microseconds of Python and dispatch run with caches the call just swept.)
     fold = q.device.type == "cuda" and seqlen_q == 1 and window_left < 0 and slopes is None and groups > 1
-    if fold:
-        qh = q.reshape(batch, kv_heads, groups, q.shape[-1])  # (batch, kv_heads, groups as rows, d)
-        kh, vh = (t.permute(0, 2, 1, 3) for t in (k_cache, v_cache))
+    qs, d = q.stride(), q.shape[-1]
+    if fold:  # (batch, kv_heads, groups as rows, d)
+        qh = q.as_strided((batch, kv_heads, groups, d), (qs[0], qs[2] * groups, qs[2], qs[3]))
+        kh, vh = (_heads_first(t, False) for t in (k_cache, v_cache))
     else:
-        qh = q.unflatten(2, (kv_heads, groups)).permute(0, 2, 3, 1, 4)
-        kh, vh = (t.permute(0, 2, 1, 3).unsqueeze(2) for t in (k_cache, v_cache))
-    ends = torch.tensor([length + new for length in lengths], dtype=torch.int32)
-    row_index = None if cache_batch_idx is None else torch.tensor(rows, dtype=torch.int32)
-    pad = None if cache_leftpad is None else torch.tensor(leftpad, dtype=torch.int32)
-    with torch.no_grad():
-        out, lse = ops.attention_kvcache_fwd(qh, kh, vh, ends, row_index, pad, block_table, scale,
-                                             0 if fold else 2 if causal else 0, -1 if fold else window_left,
-                                             -1 if fold else window_right, softcap, slopes)
+        qh = q.as_strided((batch, kv_heads, groups, seqlen_q, d), (qs[0], qs[2] * groups, qs[2], qs[1], qs[3]))
+        kh, vh = _heads_first(k_cache, True), _heads_first(v_cache, True)
+    # The per-entry tensors as given where they already are what the op takes (it reads them to
+    # the host itself): the key ends are cache_seqlens unless new keys were appended.
+    if new == 0 and isinstance(cache_seqlens, torch.Tensor):
+        ends = cache_seqlens
+    else:
+        ends = torch.tensor([length + new for length in lengths], dtype=torch.int32)
+    if slopes is not None:
+        slopes = slopes.detach()  # (the op has no backward; nothing else it takes can require grad here)
+    out, lse = ops.attention_kvcache_fwd(qh, kh, vh, ends, cache_batch_idx, cache_leftpad, block_table, scale,
+                                         0 if fold else 2 if causal else 0, -1 if fold else window_left,
+                                         -1 if fold else window_right, softcap, slopes)
+    dv = out.shape[-1]
     if fold:  # (batch, kv_heads, groups, d_v) -> (batch, 1, heads, d_v): a copy of one row per head
-        out = out.reshape(batch, 1, heads, out.shape[-1])
+        out = out.reshape(batch, 1, heads, dv)
         return (out, lse.reshape(batch, heads, 1)) if return_softmax_lse else out
     out = out.permute(0, 3, 1, 2, 4).flatten(2, 3)  # (batch, seqlen_q, heads, d_v), as the kernels laid it out
     return (out, lse.flatten(1, 2)) if return_softmax_lse else out
