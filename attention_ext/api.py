@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ._arguments import (band_rules, dropout_rules, enforce, flag, mask_rules, per_head_rules, qkv_rules, scale_rules,
+from ._arguments import (band_rules, enforce, flag, mask_rules, per_head_rules, qkv_rules, scale_rules,
                          softcap_rules)
 from ._constants import CAUSAL_CODES, FLOAT_DTYPES, lse_dtype, scale_overflows
 from ._ops import call_below_autograd, ops
@@ -116,9 +116,18 @@ def _check_dropout(dropout_p):
     try:
         dropout_p = float(dropout_p)
     except OverflowError:  # an int beyond float range
-        raise ValueError("attention_ext: dropout_p must be in [0, 1), got an integer too large for a float") from None
-    dropout_rules(enforce, dropout_p)
+        raise ValueError("attention_ext: dropout_p must be in [0, 1], got an integer too large for a float") from None
+    if dropout_p == 1.0:  # every weight dropped, as torch: the callers return zeros (the ops take [0, 1))
+        return dropout_p
+    enforce(0.0 <= dropout_p < 1.0, ValueError, lambda: f"dropout_p must be in [0, 1], got {dropout_p}")
     return dropout_p
+
+
+def _all_dropped(out):
+    """The output of a call with dropout_p = 1 from the same call without dropout: torch's zeros
+    (out·0, so its gradients are zeros too, and a non-finite output row stays NaN as torch's
+    0·inf does)."""
+    return out * 0
 
 
 def _check_causal(causal):
@@ -232,6 +241,16 @@ def _check_mask(attn_mask, query, batch, n, m):
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attention_ext: attn_mask must be a torch.Tensor, a CausalBias or None, got "
                         f"{type(attn_mask).__name__}")
+    if attn_mask.dtype == torch.float32 and query.dtype != torch.float32 and attn_mask.device == query.device:
+        # torch takes a float32 mask with any query dtype. Converted to float64 exactly (its
+        # gradient returns in float32 through the conversion); rounding it to float16 / bfloat16
+        # would change the scores (torch adds it in float32), so that stays the caller's choice.
+        if query.dtype == torch.float64:
+            attn_mask = attn_mask.to(torch.float64)
+        else:
+            raise TypeError(f"attention_ext: a float32 attn_mask with {query.dtype} inputs is not supported (the "
+                            f"kernels read an additive mask in the inputs' dtype; torch adds it in float32): pass "
+                            f"attn_mask.to({query.dtype}) to round it, or a bool mask")
     mask_rules(enforce, attn_mask, query)
     target = (*batch, n, m)
     ok = attn_mask.dim() <= len(target) and all(
@@ -248,14 +267,23 @@ _MAX_BATCH_DIMS = 8  # (the kernels' kMaxBatchDims)
 
 def _apply_gqa(query, key, value, attn_mask):
     """torch's enable_gqa without copying K/V: query heads (Hq) split into (Hkv, Hq/Hkv) and
-    K/V gain a broadcast dim, so query head h reads key/value head h // (Hq/Hkv)."""
+    K/V gain a broadcast dim, so query head h reads key/value head h // (Hq/Hkv). (Key and value
+    with different head counts are each repeated to Hq, as torch does.)"""
     if query.dim() < 3 or key.dim() < 3 or value.dim() < 3:
         raise ValueError("attention_ext: enable_gqa=True needs (..., heads, length, dim) inputs, got query "
                          f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
     hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
     if hk != hv:
-        raise ValueError(f"attention_ext: enable_gqa=True needs key and value to have the same number of heads, "
-                         f"got key {hk} and value {hv}")
+        # torch repeats each to the query heads on its own: no single split of the query heads
+        # serves both, so both are repeated here too (copies, where one head count is shared).
+        for t, name in ((key, "key"), (value, "value")):
+            if t.shape[-3] == 0 or hq % t.shape[-3] != 0:
+                raise ValueError(f"attention_ext: enable_gqa=True needs the query heads ({hq}) to be a multiple of the "
+                                 f"{name} heads ({t.shape[-3]}); got key {tuple(key.shape)} and value "
+                                 f"{tuple(value.shape)}")
+        key = key.repeat_interleave(hq // hk, dim=-3)
+        value = value.repeat_interleave(hq // hv, dim=-3)
+        hk = hv = hq
     if hk == 0 or hq % hk != 0:
         raise ValueError(f"attention_ext: enable_gqa=True needs the query heads ({hq}) to be a multiple of the "
                          f"key/value heads ({hk})")
@@ -441,20 +469,26 @@ def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, win
         kv_batch = _broadcast_shapes(key.shape[:-2], value.shape[:-2])
         key = key.expand(*kv_batch, *key.shape[-2:])
         value = value.expand(*kv_batch, *value.shape[-2:])
+    # (a call with dropout_p = 1 draws its (seed, offset) too, as every call with dropout does)
     rng_state = draw_rng_state(query.device) if dropout_p > 0 else None
+    all_dropped = dropout_p == 1.0
+    if all_dropped:
+        dropout_p, rng_state = 0.0, None
     args = (query, key, value, attn_mask, scale, *logit, dropout_p, rng_state)
     out, lse = _call(ops.attention_fwd, AttentionFunction, args, query, key, value, attn_mask, logit[-1])
     if heads is not None:
         out = out.flatten(-4, -3)
         lse = lse.flatten(-3, -2)
-    return out, lse
+    return (_all_dropped(out) if all_dropped else out), lse
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention, same signature and semantics,
     computed by the fused kernels (differentiable, deterministic). Rows where no key takes part
-    give 0 instead of NaN."""
+    give 0 instead of NaN. is_causal=True with an attn_mask applies both (a key takes part only if
+    both allow it), as torch's CPU flash kernel does; torch's math fallback (which it takes, e.g.,
+    for inputs that require grad) refuses the pair."""
     if attn_mask is None and type(dropout_p) is float and dropout_p == 0.0 and type(enable_gqa) is bool and \
             (is_causal is False or is_causal is True):
         result = _lean_forward(query, key, value, 1 if is_causal else 0, scale, enable_gqa)
@@ -468,9 +502,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         _check_causal_bias_size(attn_mask, query, key)
         attn_mask = None
     elif is_causal:
-        if attn_mask is not None:
-            raise ValueError("attention_ext: attn_mask must be None when is_causal=True (as in torch)")
-        causal = "top_left"
+        causal = "top_left"  # (with an attn_mask too: a key takes part only if both allow it)
     out, _ = _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa)
     return out
 
@@ -544,5 +576,7 @@ def dropout_mask(rng_state: torch.Tensor, shape, dropout_p: float) -> torch.Tens
     dropout_p = _check_dropout(dropout_p)
     if not isinstance(rng_state, torch.Tensor) or rng_state.dtype != torch.int64 or rng_state.numel() != 2:
         raise TypeError("attention_ext: rng_state must be an int64 tensor (seed, offset) from draw_rng_state()")
+    if dropout_p == 1.0:  # nothing survives
+        return torch.zeros(shape, dtype=torch.bool, device=rng_state.device)
     return ops.dropout_keep_mask(rng_state, list(shape[:-2]), shape[-2], shape[-1], dropout_p)
 

@@ -88,11 +88,13 @@ def softmax_lse(s: torch.Tensor, sinks: Optional[torch.Tensor] = None):
 
 
 def expand_gqa(query, key, value):
-    """torch's enable_gqa: each key/value head serves query_heads / kv_heads query heads."""
-    hq, hk = query.shape[-3], key.shape[-3]
+    """torch's enable_gqa: each key head serves query_heads / key_heads query heads, each value
+    head query_heads / value_heads (key and value repeated each by its own factor)."""
+    hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
     if hq != hk:
         key = key.repeat_interleave(hq // hk, dim=-3)
-        value = value.repeat_interleave(hq // hk, dim=-3)
+    if hq != hv:
+        value = value.repeat_interleave(hq // hv, dim=-3)
     return key, value
 
 
@@ -129,6 +131,8 @@ def attention_reference(
                       alibi_slopes=alibi_slopes, scale=scale)
     p, lse = softmax_lse(s, sinks)
     weights = p
-    if dropout_mask is not None and dropout_p > 0:
+    if dropout_p >= 1:  # every weight dropped (torch's zeros)
+        p = p * 0
+    elif dropout_mask is not None and dropout_p > 0:
         p = p * dropout_mask.to(p.dtype) / (1.0 - dropout_p)
     return torch.matmul(p, value), lse, weights

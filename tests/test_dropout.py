@@ -13,6 +13,8 @@ from attention_ext import (
     attention_reference,
     draw_rng_state,
     dropout_mask,
+    flash_attn_func,
+    flash_attn_varlen_func,
     scaled_dot_product_attention,
 )
 
@@ -99,7 +101,7 @@ def test_dropout_mask_is_a_pure_function_of_rng_state_and_position():
 def test_dropout_mask_rejects_bad_arguments():
     state = draw_rng_state()
     with pytest.raises(ValueError, match="dropout_p"):
-        dropout_mask(state, (1, 4, 4), 1.0)
+        dropout_mask(state, (1, 4, 4), 1.5)
     with pytest.raises(ValueError, match=r"dropout_mask shape must be \(\*batch, n, m\), got \(4,\)"):
         dropout_mask(state, (4,), 0.5)
     with pytest.raises(TypeError, match="rng_state"):
@@ -285,13 +287,39 @@ def test_gradcheck_with_dropout_and_lse():
 # ----------------------------------------------------------------------------------------------
 # Validation and dropout_p = 0.
 
-@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, float("nan"), float("inf")])
+@pytest.mark.parametrize("p", [-0.1, 1.0000001, 1.5, float("nan"), float("inf")])
 def test_dropout_p_outside_zero_one_raises_value_error(p):
     q, k, v = qkv()
     with pytest.raises(ValueError, match="dropout_p"):
         scaled_dot_product_attention(q, k, v, dropout_p=p)
     with pytest.raises(ValueError, match="dropout_p"):
         attention(q, k, v, dropout_p=p)
+
+
+def test_dropout_p_one_drops_every_weight_zeros_and_zero_gradients_as_torch():
+    """torch drops every weight at dropout_p = 1: the output and every gradient are zeros."""
+    q, k, v = qkv(requires_grad=True)
+    mask = torch.randn(q.shape[-2], k.shape[-2], dtype=q.dtype, requires_grad=True)
+    for p in (1.0, 1):
+        for call in (lambda: scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p),
+                     lambda: attention(q, k, v, attn_mask=mask, causal="bottom_right", dropout_p=p)):
+            out = call()
+            expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=1.0)
+            assert torch.equal(out, torch.zeros_like(out)) and torch.equal(out, expected)
+            grads = torch.autograd.grad(out, (q, k, v, mask), torch.randn_like(out))
+            assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+    # FlashAttention's functions too, dense and packed
+    qf, kf, vf = (t.transpose(1, 2) for t in (q, k, v))  # (B, length, H, d)
+    out = flash_attn_func(qf, kf, vf, dropout_p=1.0, causal=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    cu_q = torch.arange(0, B * N + 1, N, dtype=torch.int32)
+    cu_k = torch.arange(0, B * M + 1, M, dtype=torch.int32)
+    out = flash_attn_varlen_func(qf.flatten(0, 1), kf.flatten(0, 1), vf.flatten(0, 1), cu_q, cu_k, N, M, dropout_p=1.0)
+    assert torch.equal(out, torch.zeros_like(out))
+    # the lse does not depend on dropout; nothing survives in the keep mask
+    _, lse = attention(q, k, v, dropout_p=1.0, return_lse=True)
+    assert torch.equal(lse, attention(q, k, v, return_lse=True)[1])
+    assert not dropout_mask(draw_rng_state(), (2, 4, 4), 1.0).any()
 
 
 def test_dropout_p_of_a_wrong_type_raises_type_error():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from attention_ext import attention, attention_reference, attention_weights, scaled_dot_product_attention
@@ -371,8 +372,9 @@ def test_reference_weights_sum_to_one_for_large_negative_biases():
 # ----------------------------------------------------------------------------------------------
 # Validation.
 
-@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mask_dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_float_mask_of_another_dtype_than_query_raises_type_error(mask_dtype):
+    """(As torch: bool, the query's dtype, or float32, below.)"""
     q, k, v = qkv(torch.float64)
     mask = torch.zeros(N, M, dtype=mask_dtype)
     with pytest.raises(TypeError, match="attn_mask"):
@@ -402,10 +404,40 @@ def test_mask_that_does_not_broadcast_raises_value_error(shape):
             attention_weights(q, k, attn_mask=mask)
 
 
-def test_attn_mask_with_is_causal_raises_value_error():
-    q, k, v = qkv(torch.float32)
-    with pytest.raises(ValueError, match=r"attn_mask must be None when is_causal=True"):
-        scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(N, M, dtype=torch.bool), is_causal=True)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_attn_mask_with_is_causal_applies_both_as_torchs_cpu_kernel(kind):
+    """is_causal=True with an attn_mask: top-left causal and the mask together, what torch's CPU
+    flash kernel computes (its math fallback, which it also takes for d_k != d_v, refuses the
+    pair), and what attention() gives."""
+    q, k, v = qkv(torch.float64, dv=D, requires_grad=True)
+    mask = make_mask((1, H, N, M), kind, torch.float64)
+    if kind == "float":
+        mask.requires_grad_(True)
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    # (torch's flash kernel; inputs that require grad would send torch to the fallback)
+    expected = F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), attn_mask=mask.detach(),
+                                              is_causal=True)
+    assert (out - expected).abs().max().item() <= 1e-12
+    assert torch.equal(out, attention(q, k, v, attn_mask=mask, causal="top_left"))
+    leaves = (q, k, v, mask) if kind == "float" else (q, k, v)
+    assert torch.autograd.gradcheck(
+        lambda *t: scaled_dot_product_attention(*t[:3], attn_mask=t[3] if kind == "float" else mask, is_causal=True),
+        leaves)
+
+
+def test_a_float32_mask_is_taken_with_float64_inputs_and_refused_with_half_precision_ones():
+    """torch takes a float32 mask with any query dtype: with float64 inputs it converts exactly
+    (its gradient comes back in float32); with bfloat16 / float16 ones, where rounding it would
+    change the scores torch adds in float32, the error says how to choose that rounding."""
+    q, k, v = qkv(torch.float64)
+    mask = torch.randn(N, M, requires_grad=True)
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(out, scaled_dot_product_attention(q, k, v, attn_mask=mask.detach().double()))
+    (grad,) = torch.autograd.grad(out.sum(), mask)
+    assert grad.dtype == torch.float32
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(TypeError, match=rf"a float32 attn_mask with {dtype} inputs .* attn_mask.to\({dtype}\)"):
+            scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask)
 
 
 @pytest.mark.parametrize("n,m", [(5, 7), (7, 5)])

@@ -95,7 +95,7 @@ ROWS = [
         flash_attention_source="README: 'All head dimensions up to 256'; q, k, v docstring shapes share "
                                "headdim"),
     Row(("bottom-right causal, causal + mask together",
-         "yes (`attention(causal=...)`)",
+         "yes (`attention(causal=...)`; the drop-in's `is_causal=True` with an `attn_mask`)",
          "bottom-right via the `causal_lower_right` bias (flash kernel); together only top-left: the flash "
          "kernel takes `is_causal=True` with an `attn_mask`, the math fallback raises",
          "bottom-right only (since 2.1), no mask"),
@@ -104,7 +104,8 @@ ROWS = [
                      "test_torch_flash_kernel_applies_is_causal_top_left_and_an_attn_mask_together",
                      "test_torch_math_fallback_raises_for_is_causal_with_an_attn_mask"),
         ours_tests=("test_masks.py::test_causal_kinds_match_reference_forward_lse_and_grads",
-                    "test_masks.py::test_attention_combines_causal_and_attn_mask_a_key_takes_part_only_if_both_allow"),
+                    "test_masks.py::test_attention_combines_causal_and_attn_mask_a_key_takes_part_only_if_both_allow",
+                    "test_masks.py::test_attn_mask_with_is_causal_applies_both_as_torchs_cpu_kernel"),
         flash_attention_source="flash_attn_func docstring: 'the causal mask is aligned to the bottom right "
                                "corner'; README changelog 2.1"),
     Row(("double backward, `torch.func.jvp`/`vmap`/`jacrev`/`jacfwd`",
