@@ -65,6 +65,11 @@ def _kvcache_fwd_fake(query, k_cache, v_cache, cache_seqlens, cache_batch_idx, c
     return out, query.new_empty((batch, *heads, n), dtype=lse_dtype(query.dtype))
 
 
+@torch.library.register_fake("attention_ext::attention_kvcache_append")
+def _kvcache_append_fake(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+    return None  # (writes into the caches in place: nothing to allocate)
+
+
 _PREFIX = "attention_ext.flash_attn_with_kvcache: "
 
 
@@ -298,11 +303,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out = q.new_empty((0, seqlen_q, heads, v_cache.shape[-1]))
         return (out, q.new_empty((0, heads, seqlen_q), dtype=lse_dtype(q.dtype))) if return_softmax_lse else out
 
-    if k is not None:
-        # (batch, 1) cache indices where each entry's new keys go, and so (FlashAttention's rule)
-        # the positions rotary rotates them and q at (a call without new keys needs neither)
-        start = torch.tensor(lengths, device=device).unsqueeze(-1)
-        positions = start + torch.arange(new, device=device)
     if rotary_cos is not None or rotary_sin is not None:
         if rotary_cos is None or rotary_sin is None or k is None:
             _fail(ValueError, "rotary_cos and rotary_sin go together and only with new k / v to rotate")
@@ -322,6 +322,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if last >= rotary_cos.shape[0]:
             _fail(ValueError, f"position {last} is beyond the rotary tables' {rotary_cos.shape[0]} positions")
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        # (batch, 1) cache indices where each entry's new keys go, so (FlashAttention's rule) the
+        # positions rotary rotates them and q at
+        start = torch.tensor(lengths, device=device).unsqueeze(-1)
+        positions = start + torch.arange(new, device=device)
         rotation = _rotation(rotary_cos, rotary_sin, positions, acc, rotary_interleaved)
         if not (local and seqlen_q == new):  # (else q's positions are the new keys')
             q_positions = start + (torch.arange(seqlen_q, device=device) if local
@@ -332,14 +336,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k = _rotate(k, rotation, rotary_interleaved)
         q = _rotate(q, q_rotation, rotary_interleaved)
 
-    if k is not None and new > 0:
-        if paged:
-            table = block_table.to(device=device, dtype=torch.int64)
-            index = (table.gather(1, positions // k_cache.shape[1]), positions % k_cache.shape[1])
+    if k is not None and new > 0:  # the append, in place (every position was checked above)
+        inference = torch.is_inference_mode_enabled()
+        for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+            if cache.is_inference() and not inference:
+                _fail(RuntimeError, f"{name} is an inference tensor (made under torch.inference_mode()): appending to "
+                                    "it in place works only under inference_mode too, as torch's in-place updates "
+                                    "(or pass a clone)")
+        if device.type == "cpu":  # row copies, no index tensors to build
+            starts = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else \
+                torch.tensor(lengths, dtype=torch.int32)
+            ops.attention_kvcache_append(k_cache, v_cache, k, v, starts, cache_batch_idx, block_table)
+            for cache in (k_cache, v_cache):  # (as an in-place op: autograd notices a saved cache written since)
+                if not cache.is_inference():
+                    torch.autograd.graph.increment_version(cache)
         else:
-            index = (torch.tensor(rows, device=device).unsqueeze(-1).expand(batch, new), positions)
-        k_cache.index_put_(index, k)
-        v_cache.index_put_(index, v)
+            positions = torch.tensor(lengths, device=device).unsqueeze(-1) + torch.arange(new, device=device)
+            if paged:
+                table = block_table.to(device=device, dtype=torch.int64)
+                index = (table.gather(1, positions // k_cache.shape[1]), positions % k_cache.shape[1])
+            else:
+                index = (torch.tensor(rows, device=device).unsqueeze(-1).expand(batch, new), positions)
+            k_cache.index_put_(index, k)
+            v_cache.index_put_(index, v)
 
     # (batch, kv_heads, groups, seqlen_q, d) against K/V (batch, kv_heads, 1, seqlen, d): the CPU
     # decode kernel runs the groups sharing a KV head as the rows of one item, reading each K/V row

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
 
 namespace attention_ext {
 namespace {
@@ -194,6 +195,97 @@ KVCacheForward prepare_kv_cache_forward(const at::Tensor& q, const at::Tensor& k
   forward.entries = kv_cache_params(call, q, k_cache, v_cache, forward.out, forward.lse, scale,
                                     call.shape.n <= paged_rows, &forward.scratch);
   return forward;
+}
+
+namespace {
+
+// One row of d elements of `bytes` each, from src (stride src_step elements) to dst (dst_step).
+void copy_row(char* dst, int64_t dst_step, const char* src, int64_t src_step, int64_t d, int64_t bytes) {
+  if (dst_step == 1 && src_step == 1) {
+    std::memcpy(dst, src, static_cast<size_t>(d * bytes));
+    return;
+  }
+  for (int64_t c = 0; c < d; ++c) std::memcpy(dst + c * dst_step * bytes, src + c * src_step * bytes, bytes);
+}
+
+}  // namespace
+
+void kv_cache_append(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& cache_batch_idx,
+                     const std::optional<at::Tensor>& block_table) {
+  const bool paged = block_table.has_value();
+  for (const auto& [cache, name] : {std::pair<const at::Tensor&, const char*>{k_cache, "k_cache"}, {v_cache, "v_cache"}})
+    TORCH_CHECK(cache.dim() == 4, "attention_ext: ", name, " must be 4-D ", paged ? "(num_blocks, block_size" :
+                "(batch, seqlen", ", kv_heads, head_dim) to append to, got shape ", cache.sizes());
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == v.size(0) && k.size(1) == v.size(1) &&
+                  k.sizes().slice(2) == k_cache.sizes().slice(2) && v.sizes().slice(2) == v_cache.sizes().slice(2),
+              "attention_ext: k and v must be (batch, seqlen_new, kv_heads, head_dim) with the caches' last two dims, ",
+              "got k ", k.sizes(), " and v ", v.sizes(), " for k_cache ", k_cache.sizes(), " and v_cache ",
+              v_cache.sizes());
+  TORCH_CHECK(k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1),
+              "attention_ext: k_cache and v_cache must share their first two dims, got ", k_cache.sizes(), " and ",
+              v_cache.sizes());
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{v_cache, "v_cache"}, {k, "k"}, {v, "v"}})
+    TORCH_CHECK(t.scalar_type() == k_cache.scalar_type() && t.device() == k_cache.device(), "attention_ext: ", name,
+                " must have k_cache's dtype and device (", k_cache.scalar_type(), ", ", k_cache.device(), "), got ",
+                t.scalar_type(), ", ", t.device());
+  TORCH_CHECK(k_cache.device().is_cpu(), "attention_ext: attention_kvcache_append writes CPU caches (on other ",
+              "devices flash_attn_with_kvcache appends with index_put_), got ", k_cache.device());
+  const int64_t batch = k.size(0), fresh = k.size(1), heads = k.size(2);
+  const std::vector<int64_t> start = read_per_entry(cache_seqlens, "cache_seqlens", batch, k_cache);
+  std::vector<int64_t> row(batch);
+  for (int64_t b = 0; b < batch; ++b) row[b] = b;
+  if (cache_batch_idx.has_value()) {
+    TORCH_CHECK(!paged, "attention_ext: cache_batch_idx cannot be combined with a paged cache");
+    row = read_per_entry(*cache_batch_idx, "cache_batch_idx", batch, k_cache);
+  }
+  const int64_t slots = k_cache.size(1);
+  std::vector<int64_t> table;  // host copy, (batch, per_entry)
+  int64_t per_entry = 0;
+  if (paged) {
+    const at::Tensor& bt = *block_table;
+    TORCH_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == batch,
+                "attention_ext: block_table must be int32 of shape (", batch, ", max_blocks), got ", bt.scalar_type(),
+                " of shape ", bt.sizes());
+    const at::Tensor host = bt.to(at::kCPU, at::kLong).contiguous();
+    table.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+    per_entry = bt.size(1);
+  }
+  // Element offset of (entry b, position pos) in the caches' first two dims; checked first.
+  std::vector<int64_t> k_offset(batch * fresh), v_offset(batch * fresh);
+  const int64_t capacity = paged ? per_entry * slots : slots;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(start[b] >= 0 && start[b] + fresh <= capacity, "attention_ext: cache_seqlens[", b, "] = ", start[b],
+                " plus ", fresh, " new keys overflows the cache's ", capacity, " positions");
+    TORCH_CHECK(paged || (row[b] >= 0 && row[b] < k_cache.size(0)), "attention_ext: cache row ", row[b],
+                " of entry ", b, " is outside the cache's ", k_cache.size(0), " rows");
+    for (int64_t t = 0; t < fresh; ++t) {
+      const int64_t pos = start[b] + t;
+      int64_t first = row[b], second = pos;
+      if (paged) {
+        first = table[b * per_entry + pos / slots];
+        second = pos % slots;
+        TORCH_CHECK(first >= 0 && first < k_cache.size(0), "attention_ext: block_table[", b, ", ", pos / slots,
+                    "] = ", first, " is outside the cache's ", k_cache.size(0), " blocks");
+      }
+      k_offset[b * fresh + t] = first * k_cache.stride(0) + second * k_cache.stride(1);
+      v_offset[b * fresh + t] = first * v_cache.stride(0) + second * v_cache.stride(1);
+    }
+  }
+  if (batch == 0 || fresh == 0 || heads == 0) return;
+  const int64_t bytes = k_cache.element_size();
+  for (const auto& [cache, src, offset] :
+       {std::tuple<const at::Tensor&, const at::Tensor&, const std::vector<int64_t>&>{k_cache, k, k_offset},
+        {v_cache, v, v_offset}}) {
+    char* dst = static_cast<char*>(cache.data_ptr());
+    const char* from = static_cast<const char*>(src.data_ptr());
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t t = 0; t < fresh; ++t)
+        for (int64_t h = 0; h < heads; ++h)
+          copy_row(dst + (offset[b * fresh + t] + h * cache.stride(2)) * bytes, cache.stride(3),
+                   from + (b * src.stride(0) + t * src.stride(1) + h * src.stride(2)) * bytes, src.stride(3),
+                   src.size(3), bytes);
+  }
 }
 
 }  // namespace attention_ext

@@ -1,5 +1,6 @@
 // Attention against a key/value cache, as FlashAttention's flash_attn_with_kvcache computes it
-// (the appending of new keys and rotary embeddings happen before, in Python): batch b's query rows
+// (the appending of new keys, kv_cache_append below on the CPU, and rotary embeddings happen
+// before, called from Python): batch b's query rows
 // attend to keys [leftpad_b, seqlens_b) of its cache row — cache_batch_idx[b], or b — or, for a
 // paged cache, of the blocks block_table[b] lists, in order. Causal masks, windows and ALiBi align
 // query i with key i + (seqlens_b − leftpad_b) − n, per batch entry.
@@ -58,5 +59,16 @@ KVCacheForward prepare_kv_cache_forward(const at::Tensor& q, const at::Tensor& k
                                         const std::optional<at::Tensor>& cache_leftpad,
                                         const std::optional<at::Tensor>& block_table, double scale,
                                         const LogitOptions& logit, int64_t paged_rows);
+
+// Writes new keys and values into the caches in place (FlashAttention's append): k / v (B, new,
+// kv_heads, d) row t of entry b goes to position cache_seqlens[b] + t of cache row
+// cache_batch_idx[b] (default b) of a (B_cache, S_max, kv_heads, d) cache, or, paged, to slot
+// position % block_size of block block_table[b][position / block_size] of a (num_blocks,
+// block_size, kv_heads, d) one. Every position is checked to lie in the cache before anything is
+// written. CPU caches only, written row by row in place: a decode step's few rows, with no index
+// tensors to build (flash_attn_with_kvcache appends to caches on other devices with index_put_).
+void kv_cache_append(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& cache_batch_idx,
+                     const std::optional<at::Tensor>& block_table);
 
 }  // namespace attention_ext

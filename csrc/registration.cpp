@@ -1,6 +1,7 @@
 // The one place every op of the library is declared. Implementations register per device
-// (cpu/attention_cpu.cpp, cuda/attention_cuda.cpp); autograd and fake (meta) kernels are
-// registered from Python (attention_ext/_ops.py, function.py, varlen.py, kv_cache.py).
+// (cpu/attention_cpu.cpp, cuda/attention_cuda.cpp; the KV-cache append, CPU only, below);
+// autograd and fake (meta) kernels are registered from Python (attention_ext/_ops.py,
+// function.py, varlen.py, kv_cache.py).
 //
 // causal: 0 = none, 1 = top-left (torch's is_causal), 2 = bottom-right (FlashAttention).
 // window_left / window_right: FlashAttention's sliding window, key j visible to query i iff
@@ -15,6 +16,7 @@
 
 #include "build_info.h"
 #include "cpu/cpu_dispatch.h"
+#include "kv_cache.h"
 
 TORCH_LIBRARY(attention_ext, m) {
   m.def(
@@ -57,6 +59,11 @@ TORCH_LIBRARY(attention_ext, m) {
       "attention_kvcache_fwd(Tensor query, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
       "Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, float scale, int causal, "
       "int window_left, int window_right, float softcap, Tensor? alibi_slopes) -> (Tensor out, Tensor lse)");
+  // The append before it (kv_cache.h): k / v (batch, new, kv_heads, d) written in place at
+  // positions cache_seqlens[b] + t of (rows | blocks, length | block_size, kv_heads, d) caches.
+  m.def(
+      "attention_kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor cache_seqlens, "
+      "Tensor? cache_batch_idx, Tensor? block_table) -> ()");
   // Introspection and CPU kernel-variant control; no tensors, so one implementation for all.
   m.def("build_info() -> str", &attention_ext::build_info);
   m.def("cpu_variant() -> str", &attention_ext::cpu_variant);
@@ -65,3 +72,11 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("cpu_fma_peak_gflops(int iterations) -> float", &attention_ext::cpu::fma_peak_gflops);
   m.def("cpu_tile_gemm_gflops(int iterations) -> float", &attention_ext::cpu::tile_gemm_gflops);
 }
+
+// The append: row copies into CPU caches, in every build (its caller, flash_attn_with_kvcache,
+// bumps the caches' version counters and refuses inference tensors outside inference mode, as
+// torch's in-place ops do; it appends on other devices with index_put_).
+TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
+  m.impl("attention_kvcache_append", &attention_ext::kv_cache_append);
+}
+

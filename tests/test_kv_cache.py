@@ -354,6 +354,30 @@ def test_rotary_tables_that_require_grad_leave_no_graph_on_the_cache():
         assert not k_cache.requires_grad and k_cache.grad_fn is None and not out.requires_grad
 
 
+def test_the_append_is_an_in_place_update_for_autograd_and_inference_mode():
+    """As torch's in-place ops: the caches' version counters move (a graph that saved a cache
+    before the append refuses to run backward), and an inference tensor takes appends only under
+    torch.inference_mode (outside it: refused before anything is written)."""
+    q, k_new, v_new = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4)
+    k_cache, v_cache = torch.zeros(1, 8, 2, 4), torch.zeros(1, 8, 2, 4)
+    weight = torch.randn(1, 8, 2, 4, requires_grad=True)
+    saved = (weight * k_cache).sum()  # k_cache saved for the backward
+    versions = k_cache._version, v_cache._version
+    flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=3)
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+    with torch.inference_mode():
+        k_inf, v_inf = torch.zeros(1, 8, 2, 4), torch.zeros(1, 8, 2, 4)
+    with pytest.raises(RuntimeError, match="k_cache is an inference tensor"):
+        flash_attn_with_kvcache(q, k_inf, v_inf, k_new, v_new, cache_seqlens=3)
+    assert not k_inf.any() and not v_inf.any()
+    with torch.inference_mode():
+        flash_attn_with_kvcache(q, k_inf, v_inf, k_new, v_new, cache_seqlens=3)
+        flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=4)  # a normal cache too
+    assert torch.equal(k_inf[0, 3], k_new[0, 0]) and torch.equal(v_cache[0, 4], v_new[0, 0])
+
+
 def test_forward_mode_ad_is_refused_and_vmap_runs_per_entry():
     """no_grad does not stop forward-mode AD: without a jvp its tangent would be dropped (None,
     or zeros under torch.func.jvp), so it is refused. vmap has torch run the call per entry."""
@@ -476,6 +500,19 @@ def test_opcheck_and_signature():
                                                       -1, 5.0, torch.rand(2, 2, 1)))
     torch.library.opcheck(ops.attention_kvcache_fwd, (q, pages, pages, i32(5, 9), None, None,
                                                       i32([0, 1, 2], [3, 4, 5]), 0.4, 0, -1, -1, 0.0, None))
+    # the append: (batch, new, kv_heads, d) rows into (rows | blocks, length | block_size, kv_heads, d)
+    k_new, v_new = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 2, 8)
+    torch.library.opcheck(ops.attention_kvcache_append, (torch.zeros(3, 20, 2, 8), torch.zeros(3, 20, 2, 8), k_new,
+                                                         v_new, i32(5, 9), i32(2, 0), None))
+    torch.library.opcheck(ops.attention_kvcache_append, (torch.zeros(6, 4, 2, 8), torch.zeros(6, 4, 2, 8), k_new,
+                                                         v_new, i32(3, 0), None, i32([0, 1, 2], [3, 4, 5])))
+    # the op checks every position itself before writing any (the Python function checks first)
+    cache = torch.zeros(6, 4, 2, 8)
+    for starts, table, message in ((i32(3, 10), i32([0, 1, 2], [3, 4, 5]), r"cache_seqlens\[1\] = 10 plus 3 new keys"),
+                                   (i32(3, 0), i32([0, 1, 2], [9, 4, 5]), r"block_table\[1, 0\] = 9 is outside")):
+        with pytest.raises(RuntimeError, match=message):
+            ops.attention_kvcache_append(cache, cache.clone(), k_new, v_new, starts, None, table)
+        assert not cache.any()
 
 
 @pytest.mark.cuda_kernels
