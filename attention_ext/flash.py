@@ -14,7 +14,8 @@ What differs, on purpose:
     (batch, heads, seqlen_q, seqlen_k) (FlashAttention returns a debugging tensor there);
   * dropout draws from torch's generator for the device with this package's counter-based
     RNG, so the dropped entries differ from FlashAttention's (attention_ext.dropout_mask
-    reproduces them);
+    reproduces them); dropout_p = 1 drops every weight (zeros, as torch), where FlashAttention
+    refuses it;
   * a query row that sees no key (causal with seqlen_q > seqlen_k, a window that excludes every
     key) has softmax_lse = -inf, log(0) (FlashAttention 2's unsplit kernels write +inf there);
     its output is 0 in both.

@@ -347,8 +347,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     weights = None
     if want_weights:
         weights = attention_weights(query, key, sinks=sinks, **options)
-        if dropped is not None:
-            weights = weights * dropout_mask(dropped, weights.shape, dropout) / (1.0 - dropout)
+        if dropped is not None:  # (dropout 1: every weight dropped, zeros as eager's)
+            weights = weights * dropout_mask(dropped, weights.shape, dropout) / (1.0 - dropout) if dropout < 1.0 \
+                else weights * 0
         if m < all_keys:  # a static cache's slots past the newest token: weight 0, as eager gives them
             weights = torch.nn.functional.pad(weights, (0, all_keys - m))
     return out.transpose(1, 2).contiguous(), weights

@@ -67,7 +67,27 @@ def _kvcache_fwd_fake(query, k_cache, v_cache, cache_seqlens, cache_batch_idx, c
 
 @torch.library.register_fake("attention_ext::attention_kvcache_append")
 def _kvcache_append_fake(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
-    return None  # (writes into the caches in place: nothing to allocate)
+    """The op's shape, dtype and device rules (the positions are values: checked when it runs);
+    it writes into the caches in place, so nothing to allocate."""
+    check = _arguments.check_traced
+    for t, name in ((k_cache, "k_cache"), (v_cache, "v_cache"), (k, "k"), (v, "v")):
+        check(t.dim() == 4, ValueError, lambda t=t, name=name: f"{name} must be 4-D, got shape {tuple(t.shape)}")
+        check(t.dtype == k_cache.dtype, TypeError, lambda t=t, name=name: f"{name} must have k_cache's dtype "
+              f"{k_cache.dtype}, got {t.dtype}")
+        _arguments.device_rule(check, t, name, k_cache.device)
+    check(k_cache.shape[:3] == v_cache.shape[:3] and k.shape[:3] == v.shape[:3] and k.shape[2:] == k_cache.shape[2:]
+          and v.shape[2:] == v_cache.shape[2:], ValueError,
+          lambda: f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit k_cache {tuple(k_cache.shape)} / v_cache "
+          f"{tuple(v_cache.shape)}")
+    for t, name in ((cache_seqlens, "cache_seqlens"), (cache_batch_idx, "cache_batch_idx")):
+        if t is not None:
+            check(t.dtype == torch.int32 and tuple(t.shape) == (k.shape[0],), TypeError,
+                  lambda t=t, name=name: f"{name} must be int32 of shape ({k.shape[0]},), got {t.dtype} "
+                  f"{tuple(t.shape)}")
+    if block_table is not None:
+        check(block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == k.shape[0],
+              TypeError, lambda: f"block_table must be int32 of shape ({k.shape[0]}, max_blocks)")
+    return None
 
 
 _PREFIX = "attention_ext.flash_attn_with_kvcache: "
@@ -124,14 +144,16 @@ def _rotate(x, rotation, interleaved):
     return rotated if dims == x.shape[-1] else torch.cat((rotated, x[..., dims:]), dim=-1)
 
 
-_FLASH_RULES = []
+_FLASH_RULES = None
 
 
 def _flash_rules():
-    """flash_attn_func's window and ALiBi rules (flash imports this module: looked up on first use)."""
-    if not _FLASH_RULES:
+    """flash_attn_func's window and ALiBi rules (flash imports this module: looked up on first use;
+    one assignment, so threads racing through the first call all get the pair)."""
+    global _FLASH_RULES
+    if _FLASH_RULES is None:
         from .flash import _band_from, _check_alibi
-        _FLASH_RULES.extend((_band_from, _check_alibi))
+        _FLASH_RULES = (_band_from, _check_alibi)
     return _FLASH_RULES
 
 
@@ -343,7 +365,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 _fail(RuntimeError, f"{name} is an inference tensor (made under torch.inference_mode()): appending to "
                                     "it in place works only under inference_mode too, as torch's in-place updates "
                                     "(or pass a clone)")
-        if device.type == "cpu":  # row copies, no index tensors to build
+        # Row copies on CPU caches, no index tensors to build; under vmap and the other functorch
+        # transforms index_put_, which has their batching rules (the op has none).
+        if device.type == "cpu" and not torch._C._are_functorch_transforms_active():
             starts = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else \
                 torch.tensor(lengths, dtype=torch.int32)
             ops.attention_kvcache_append(k_cache, v_cache, k, v, starts, cache_batch_idx, block_table)

@@ -222,8 +222,9 @@ void kv_cache_append(const at::Tensor& k_cache, const at::Tensor& v_cache, const
               "attention_ext: k and v must be (batch, seqlen_new, kv_heads, head_dim) with the caches' last two dims, ",
               "got k ", k.sizes(), " and v ", v.sizes(), " for k_cache ", k_cache.sizes(), " and v_cache ",
               v_cache.sizes());
-  TORCH_CHECK(k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1),
-              "attention_ext: k_cache and v_cache must share their first two dims, got ", k_cache.sizes(), " and ",
+  TORCH_CHECK(k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
+                  k_cache.size(2) == v_cache.size(2),
+              "attention_ext: k_cache and v_cache must share their first three dims, got ", k_cache.sizes(), " and ",
               v_cache.sizes());
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{v_cache, "v_cache"}, {k, "k"}, {v, "v"}})
     TORCH_CHECK(t.scalar_type() == k_cache.scalar_type() && t.device() == k_cache.device(), "attention_ext: ", name,

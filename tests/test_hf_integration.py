@@ -343,6 +343,9 @@ def test_output_attentions_in_training_with_dropout_are_the_weights_applied():
     torch.manual_seed(7)
     alone, _ = hf.attention_forward(module, q, k, v, None, dropout=0.5)
     assert torch.equal(out, alone)  # asking for the weights draws nothing more
+    # dropout 1 drops every weight: zeros, as eager's F.dropout gives (not 0 / 0)
+    out, weights = hf.attention_forward(module, q, k, v, None, dropout=1.0, output_attentions=True)
+    assert torch.equal(weights, torch.zeros_like(weights)) and torch.equal(out, torch.zeros_like(out))
 
 
 def test_output_attentions_are_the_exact_weights(no_sdpa):

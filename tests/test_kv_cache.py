@@ -453,6 +453,55 @@ def test_rotary_reads_q_and_k_wherever_they_lie(dtype, interleaved):
             assert all(torch.equal(a, b) for a, b in zip(got, results[2])), rotary_dim
 
 
+def test_bad_direct_append_calls_never_crash():
+    """The append op checks shapes, rows, positions and block ids itself: in a subprocess that
+    must survive, every bad call raises and leaves the caches as they were."""
+    code = r"""
+import torch, attention_ext
+ops = torch.ops.attention_ext
+i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
+kc, vc = torch.zeros(2, 8, 2, 4), torch.zeros(2, 8, 2, 4)
+pages = torch.zeros(4, 4, 2, 4)
+k, v = torch.randn(2, 1, 2, 4), torch.randn(2, 1, 2, 4)
+calls = [
+    (kc, torch.zeros(2, 8, 1, 4), k, v[:, :, :1], i32(3, 3), None, None),  # caches with different heads
+    (kc, vc, k, v, i32(3, 8), None, None),                                   # a position past the cache
+    (kc, vc, k, v, i32(-1, 0), None, None),                                  # a negative one
+    (kc, vc, k, v, i32(3, 3), i32(0, 2), None),                              # a cache row past the cache
+    (pages, pages.clone(), k, v, i32(3, 0), None, i32([0, 1], [7, 2])),      # a block id past the cache
+    (kc, vc, k, torch.randn(2, 1, 2, 5), i32(3, 3), None, None),             # v of another head dim
+    (kc, vc, k.double(), v.double(), i32(3, 3), None, None),                 # another dtype
+    (kc, vc, k, v, i32(3), None, None),                                      # one start for two entries
+]
+for args in calls:
+    try:
+        ops.attention_kvcache_append(*args)
+    except RuntimeError as e:
+        assert "attention_ext" in str(e), e
+    else:
+        raise SystemExit(f"no error for {[getattr(a, 'shape', a) for a in args]}")
+assert not kc.any() and not vc.any() and not pages.any()
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ))
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr[-2000:]
+
+
+def test_vmap_over_entries_that_each_append_to_their_own_cache():
+    """Under vmap each entry's call appends to its own cache (torch runs index_put_'s batching rule
+    there): the same caches and outputs as the calls one by one."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, 1, 1, 4, 8, generator=g) for _ in range(3))
+    caches = [torch.randn(3, 1, 6, 4, 8, generator=g) for _ in range(2)]
+    copies = [c.clone() for c in caches]
+    call = lambda q, kc, vc, k, v: flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=2, causal=True)  # noqa: E731
+    batched = torch.vmap(call)(q, *caches, k, v)
+    one_by_one = torch.stack([call(q[i], copies[0][i], copies[1][i], k[i], v[i]) for i in range(3)])
+    assert torch.equal(batched, one_by_one)
+    assert torch.equal(caches[0], copies[0]) and torch.equal(caches[1], copies[1])
+
+
 def test_bad_direct_op_calls_never_crash():
     """The op checks lengths, rows and block ids against the cache itself: in a subprocess that
     must survive, every bad call raises."""
