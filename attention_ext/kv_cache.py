@@ -157,13 +157,11 @@ def _flash_rules():
     return _FLASH_RULES
 
 
-def _heads_first(cache, group_dim):
-    """A (rows or blocks, length, kv_heads, d) cache as the view (rows, kv_heads, [1,] length, d)."""
+def _heads_first(cache):
+    """A (rows or blocks, length, kv_heads, d) cache as the view (rows, kv_heads, 1, length, d)."""
     rows, length, kv_heads, d = cache.shape
     st = cache.stride()
-    if group_dim:
-        return cache.as_strided((rows, kv_heads, 1, length, d), (st[0], st[2], 0, st[1], st[3]))
-    return cache.as_strided((rows, kv_heads, length, d), (st[0], st[2], st[1], st[3]))
+    return cache.as_strided((rows, kv_heads, 1, length, d), (st[0], st[2], 0, st[1], st[3]))
 
 
 def _refuse_forward_ad(named):
@@ -393,12 +391,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # decode step's few microseconds of Python and dispatch run with caches the call just swept.)
     fold = q.device.type == "cuda" and seqlen_q == 1 and window_left < 0 and slopes is None and groups > 1
     qs, d = q.stride(), q.shape[-1]
-    if fold:  # (batch, kv_heads, groups as rows, d)
-        qh = q.as_strided((batch, kv_heads, groups, d), (qs[0], qs[2] * groups, qs[2], qs[3]))
-        kh, vh = (_heads_first(t, False) for t in (k_cache, v_cache))
+    if fold:  # (batch, kv_heads, groups as rows, d); CUDA only
+        qh = q.reshape(batch, kv_heads, groups, d)
+        kh, vh = (t.permute(0, 2, 1, 3) for t in (k_cache, v_cache))
     else:
         qh = q.as_strided((batch, kv_heads, groups, seqlen_q, d), (qs[0], qs[2] * groups, qs[2], qs[1], qs[3]))
-        kh, vh = _heads_first(k_cache, True), _heads_first(v_cache, True)
+        kh, vh = _heads_first(k_cache), _heads_first(v_cache)
     # The per-entry tensors as given where they already are what the op takes (it reads them to
     # the host itself): the key ends are cache_seqlens unless new keys were appended.
     if new == 0 and isinstance(cache_seqlens, torch.Tensor):
