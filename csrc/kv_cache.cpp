@@ -20,6 +20,17 @@ std::vector<int64_t> read_per_entry(const at::Tensor& t, const char* name, int64
   return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + batch);
 }
 
+// block_table (B, max_blocks) int32, on the query's (or cache's) device or the CPU, checked and
+// copied to the host.
+at::Tensor read_block_table(const at::Tensor& bt, int64_t batch, const at::Tensor& q) {
+  TORCH_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == batch,
+              "attention_ext: block_table must be int32 of shape (", batch, ", max_blocks), got ", bt.scalar_type(),
+              " of shape ", bt.sizes());
+  TORCH_CHECK(bt.device().is_cpu() || bt.device() == q.device(), "attention_ext: block_table must be on ", q.device(),
+              " (or the CPU), got ", bt.device());
+  return bt.to(at::kCPU).contiguous();
+}
+
 }  // namespace
 
 KVCacheCall check_kv_cache_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -78,19 +89,14 @@ KVCacheCall check_kv_cache_inputs(const at::Tensor& q, const at::Tensor& k_cache
   int64_t capacity = length;
   std::vector<int64_t> table;
   if (call.paged) {
-    const at::Tensor& bt = *block_table;
-    TORCH_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == call.batch,
-                "attention_ext: block_table must be int32 of shape (", call.batch, ", max_blocks), got ",
-                bt.scalar_type(), " of shape ", bt.sizes());
-    TORCH_CHECK(bt.device().is_cpu() || bt.device() == q.device(), "attention_ext: block_table must be on ",
-                q.device(), " (or the CPU), got ", bt.device());
+    call.block_table = read_block_table(*block_table, call.batch, q);
     TORCH_CHECK(length >= 1, "attention_ext: a paged cache needs blocks of at least one row, got k_cache of shape ",
                 k_cache.sizes());
     call.block_size = length;
     call.num_blocks = cache_rows;
-    call.block_table = bt.to(at::kCPU).contiguous();
-    capacity = bt.size(1) * length;
-    table.assign(call.block_table->data_ptr<int32_t>(), call.block_table->data_ptr<int32_t>() + bt.numel());
+    capacity = call.block_table->size(1) * length;
+    const int32_t* ids = call.block_table->data_ptr<int32_t>();
+    table.assign(ids, ids + call.block_table->numel());
   }
   for (int64_t b = 0; b < call.batch; ++b) {
     const int64_t end = call.seqlens[b], begin = call.leftpad[b];
@@ -244,13 +250,9 @@ void kv_cache_append(const at::Tensor& k_cache, const at::Tensor& v_cache, const
   std::vector<int64_t> table;  // host copy, (batch, per_entry)
   int64_t per_entry = 0;
   if (paged) {
-    const at::Tensor& bt = *block_table;
-    TORCH_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == batch,
-                "attention_ext: block_table must be int32 of shape (", batch, ", max_blocks), got ", bt.scalar_type(),
-                " of shape ", bt.sizes());
-    const at::Tensor host = bt.to(at::kCPU, at::kLong).contiguous();
-    table.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
-    per_entry = bt.size(1);
+    const at::Tensor host = read_block_table(*block_table, batch, k_cache);
+    table.assign(host.data_ptr<int32_t>(), host.data_ptr<int32_t>() + host.numel());
+    per_entry = host.size(1);
   }
   // Element offset of (entry b, position pos) in the caches' first two dims; checked first.
   std::vector<int64_t> k_offset(batch * fresh), v_offset(batch * fresh);
