@@ -123,6 +123,16 @@ def _check_dropout(dropout_p):
     return dropout_p
 
 
+def _dropout_plan(dropout_p, device):
+    """(dropout_p, rng_state, all_dropped) for the kernels: the (seed, offset) drawn for any dropout
+    (a call with dropout_p = 1 too, so the generator advances as for every call with dropout), and
+    dropout_p = 1 run as the call without dropout, whose output _all_dropped then zeroes."""
+    rng_state = draw_rng_state(device) if dropout_p > 0 else None
+    if dropout_p == 1.0:
+        return 0.0, None, True
+    return dropout_p, rng_state, False
+
+
 def _all_dropped(out):
     """The output of a call with dropout_p = 1 from the same call without dropout: torch's zeros
     (out·0, so its gradients are zeros too, and a non-finite output row stays NaN as torch's
@@ -469,11 +479,7 @@ def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, win
         kv_batch = _broadcast_shapes(key.shape[:-2], value.shape[:-2])
         key = key.expand(*kv_batch, *key.shape[-2:])
         value = value.expand(*kv_batch, *value.shape[-2:])
-    # (a call with dropout_p = 1 draws its (seed, offset) too, as every call with dropout does)
-    rng_state = draw_rng_state(query.device) if dropout_p > 0 else None
-    all_dropped = dropout_p == 1.0
-    if all_dropped:
-        dropout_p, rng_state = 0.0, None
+    dropout_p, rng_state, all_dropped = _dropout_plan(dropout_p, query.device)
     args = (query, key, value, attn_mask, scale, *logit, dropout_p, rng_state)
     out, lse = _call(ops.attention_fwd, AttentionFunction, args, query, key, value, attn_mask, logit[-1])
     if heads is not None:

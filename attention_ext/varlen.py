@@ -180,8 +180,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     (0: none), alibi_slopes (float32, (heads,) or (sequences, heads)) and sinks ((heads,), a logit
     per head joining each row's softmax with value 0; differentiable) as in attention().
     max_seqlen_q / max_seqlen_k must be at least the longest sequence (checked)."""
-    from .api import (_all_dropped, _check_dropout, _check_scale, _check_softcap, _check_window, _needs_autograd,
-                      draw_rng_state)
+    from .api import (_all_dropped, _check_dropout, _check_scale, _check_softcap, _check_window, _dropout_plan,
+                      _needs_autograd)
 
     _check_packed_tensor(q, "q")
     _check_packed_tensor(k, "k")
@@ -223,10 +223,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     # (total, heads, d) -> (kv_heads, groups, total, d) and (kv_heads, 1, total, d): views.
     qh = q.unflatten(1, (kv_heads, groups)).permute(1, 2, 0, 3)
     kh, vh = (t.permute(1, 0, 2).unsqueeze(1) for t in (k, v))
-    rng_state = draw_rng_state(q.device) if dropout_p > 0 else None
-    all_dropped = dropout_p == 1.0  # (every weight dropped: torch's zeros, from the call without dropout)
-    if all_dropped:
-        dropout_p, rng_state = 0.0, None
+    dropout_p, rng_state, all_dropped = _dropout_plan(dropout_p, q.device)
     args = (qh, kh, vh, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal_code, window_left,
             window_right, softcap, slopes, sinks, dropout_p, rng_state)
     if torch.compiler.is_compiling():
