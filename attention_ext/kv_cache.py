@@ -46,6 +46,8 @@ from .function import forward_ad_possible
 
 __all__ = ["flash_attn_with_kvcache"]
 
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
 
 @torch.library.register_fake("attention_ext::attention_kvcache_fwd")
 def _kvcache_fwd_fake(query, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, scale,
@@ -63,6 +65,25 @@ def _kvcache_fwd_fake(query, k_cache, v_cache, cache_seqlens, cache_batch_idx, c
     nd = len(heads)
     out = query.new_empty((batch, n, *heads, dv)).permute(0, *range(2, nd + 2), 1, nd + 2)
     return out, query.new_empty((batch, *heads, n), dtype=lse_dtype(query.dtype))
+
+
+@torch.library.register_fake("attention_ext::attention_rotary")
+def _rotary_fake(x, cos, sin, start, per_row, interleaved):
+    """The op's shape and dtype rules (the positions are values: checked when it runs); the
+    rotated rows come back contiguous, in x's dtype."""
+    check = _arguments.check_traced
+    check(x.dim() == 4 and x.dtype in _FLOAT_DTYPES, ValueError,
+          lambda: f"rotary rotates float (batch, rows, heads, head_dim) tensors, got {x.dtype} of shape "
+                  f"{tuple(x.shape)}")
+    check(cos.dim() == 2 and cos.shape == sin.shape and cos.dtype in _FLOAT_DTYPES and sin.dtype in _FLOAT_DTYPES,
+          ValueError, lambda: f"rotary_cos / rotary_sin must both be float (seqlen_ro, rotary_dim / 2), got "
+                              f"{cos.dtype} {tuple(cos.shape)} and {sin.dtype} {tuple(sin.shape)}")
+    check(2 * cos.shape[1] <= x.shape[3], ValueError,
+          lambda: f"rotary_dim {2 * cos.shape[1]} exceeds the head dim {x.shape[3]}")
+    check(start.dtype == torch.int32 and tuple(start.shape) == (x.shape[0],), TypeError,
+          lambda: f"the rotary start positions must be int32 of shape ({x.shape[0]},), got {start.dtype} of shape "
+                  f"{tuple(start.shape)}")
+    return x.new_empty(x.shape)
 
 
 @torch.library.register_fake("attention_ext::attention_kvcache_append")
@@ -112,6 +133,12 @@ def _per_entry(t, name, batch, device):
         _fail(TypeError, f"{name} must be an int32 tensor of shape ({batch},), got {got}")
     _arguments.device_rule(_enforce, t, name, device, cpu_ok=True)
     return t.tolist()
+
+
+def _starts(cache_seqlens, lengths):
+    """Where each entry's new keys go, as the CPU ops take it: cache_seqlens' int32 (batch,) tensor
+    as given, or one built from the int."""
+    return cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else torch.tensor(lengths, dtype=torch.int32)
 
 
 def _rotation(cos, sin, positions, acc, interleaved):
@@ -323,6 +350,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out = q.new_empty((0, seqlen_q, heads, v_cache.shape[-1]))
         return (out, q.new_empty((0, heads, seqlen_q), dtype=lse_dtype(q.dtype))) if return_softmax_lse else out
 
+    starts = positions = None  # (computed once for the rotary and the append that need them)
     if rotary_cos is not None or rotary_sin is not None:
         if rotary_cos is None or rotary_sin is None or k is None:
             _fail(ValueError, "rotary_cos and rotary_sin go together and only with new k / v to rotate")
@@ -341,20 +369,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                    [max(lengths) + (seqlen_q - 1 if local else 0) if seqlen_q else -1])
         if last >= rotary_cos.shape[0]:
             _fail(ValueError, f"position {last} is beyond the rotary tables' {rotary_cos.shape[0]} positions")
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        # (batch, 1) cache indices where each entry's new keys go, so (FlashAttention's rule) the
-        # positions rotary rotates them and q at
-        start = torch.tensor(lengths, device=device).unsqueeze(-1)
-        positions = start + torch.arange(new, device=device)
-        rotation = _rotation(rotary_cos, rotary_sin, positions, acc, rotary_interleaved)
-        if not (local and seqlen_q == new):  # (else q's positions are the new keys')
-            q_positions = start + (torch.arange(seqlen_q, device=device) if local
-                                   else torch.zeros(seqlen_q, dtype=torch.int64, device=device))
-            q_rotation = _rotation(rotary_cos, rotary_sin, q_positions, acc, rotary_interleaved)
+        if device.type == "cpu" and not torch._C._are_functorch_transforms_active():
+            # One op per tensor (rotary.h), the formula's bits; under vmap and the other functorch
+            # transforms, and on other devices, the torch ops below (the op has no batching rule).
+            starts = _starts(cache_seqlens, lengths)
+            k = ops.attention_rotary(k, rotary_cos, rotary_sin, starts, True, rotary_interleaved)
+            q = ops.attention_rotary(q, rotary_cos, rotary_sin, starts, local, rotary_interleaved)
         else:
-            q_rotation = rotation
-        k = _rotate(k, rotation, rotary_interleaved)
-        q = _rotate(q, q_rotation, rotary_interleaved)
+            acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+            # (batch, new) cache indices where each entry's new keys go, so (FlashAttention's rule)
+            # the positions rotary rotates them and q at
+            start = torch.tensor(lengths, device=device).unsqueeze(-1)
+            positions = start + torch.arange(new, device=device)
+            rotation = _rotation(rotary_cos, rotary_sin, positions, acc, rotary_interleaved)
+            if not (local and seqlen_q == new):  # (else q's positions are the new keys')
+                q_positions = start + (torch.arange(seqlen_q, device=device) if local
+                                       else torch.zeros(seqlen_q, dtype=torch.int64, device=device))
+                q_rotation = _rotation(rotary_cos, rotary_sin, q_positions, acc, rotary_interleaved)
+            else:
+                q_rotation = rotation
+            k = _rotate(k, rotation, rotary_interleaved)
+            q = _rotate(q, q_rotation, rotary_interleaved)
 
     if k is not None and new > 0:  # the append, in place (every position was checked above)
         inference = torch.is_inference_mode_enabled()
@@ -366,14 +401,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # Row copies on CPU caches, no index tensors to build; under vmap and the other functorch
         # transforms index_put_, which has their batching rules (the op has none).
         if device.type == "cpu" and not torch._C._are_functorch_transforms_active():
-            starts = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else \
-                torch.tensor(lengths, dtype=torch.int32)
+            if starts is None:
+                starts = _starts(cache_seqlens, lengths)
             ops.attention_kvcache_append(k_cache, v_cache, k, v, starts, cache_batch_idx, block_table)
             for cache in (k_cache, v_cache):  # (as an in-place op: autograd notices a saved cache written since)
                 if not cache.is_inference():
                     torch.autograd.graph.increment_version(cache)
         else:
-            positions = torch.tensor(lengths, device=device).unsqueeze(-1) + torch.arange(new, device=device)
+            if positions is None:
+                positions = torch.tensor(lengths, device=device).unsqueeze(-1) + torch.arange(new, device=device)
             if paged:
                 table = block_table.to(device=device, dtype=torch.int64)
                 index = (table.gather(1, positions // k_cache.shape[1]), positions % k_cache.shape[1])

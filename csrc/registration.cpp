@@ -17,6 +17,7 @@
 #include "build_info.h"
 #include "cpu/cpu_dispatch.h"
 #include "kv_cache.h"
+#include "rotary.h"
 
 TORCH_LIBRARY(attention_ext, m) {
   m.def(
@@ -64,6 +65,10 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def(
       "attention_kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor cache_seqlens, "
       "Tensor? cache_batch_idx, Tensor? block_table) -> ()");
+  // Rotary embeddings of the new keys and the queries before the append (rotary.h): x (batch, rows,
+  // heads, d) rotated at positions start[b] + t (per_row) or start[b], into a new tensor.
+  m.def(
+      "attention_rotary(Tensor x, Tensor cos, Tensor sin, Tensor start, bool per_row, bool interleaved) -> Tensor");
   // Introspection and CPU kernel-variant control; no tensors, so one implementation for all.
   m.def("build_info() -> str", &attention_ext::build_info);
   m.def("cpu_variant() -> str", &attention_ext::cpu_variant);
@@ -73,10 +78,12 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("cpu_tile_gemm_gflops(int iterations) -> float", &attention_ext::cpu::tile_gemm_gflops);
 }
 
-// The append: row copies into CPU caches, in every build (its caller, flash_attn_with_kvcache,
-// bumps the caches' version counters and refuses inference tensors outside inference mode, as
-// torch's in-place ops do; it appends on other devices with index_put_).
+// The append and the rotary before it, for CPU caches, in every build (their caller,
+// flash_attn_with_kvcache, bumps the caches' version counters and refuses inference tensors
+// outside inference mode, as torch's in-place ops do; on other devices it appends with index_put_
+// and rotates with torch ops).
 TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
   m.impl("attention_kvcache_append", &attention_ext::kv_cache_append);
+  m.impl("attention_rotary", &attention_ext::rotary_embedding);
 }
 

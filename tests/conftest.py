@@ -75,10 +75,10 @@ def gradgradcheck(fn, inputs, **kwargs):
 OPS = ("attention_fwd", "attention_bwd", "attention_probs", "dropout_keep_mask")
 # The source file of the CUDA binding (its TORCH_LIBRARY_IMPL block), as the dispatcher records it.
 CUDA_BINDING_SOURCE = "cuda/attention_cuda.cpp"
-# Ops with no CUDA kernel by design: flash_attn_with_kvcache's in-place append runs as an op on CPU
-# caches only (on a GPU it appends with index_put_), so under the emulation, whose "CUDA" tensors
-# are CPU tensors, it is the CPU op that writes them.
-CPU_ONLY_OPS = ("attention_kvcache_append",)
+# Ops with no CUDA kernel by design: flash_attn_with_kvcache's in-place append and its rotary run as
+# ops on CPU caches only (on a GPU it appends with index_put_ and rotates with torch ops), so under
+# the emulation, whose "CUDA" tensors are CPU tensors, it is the CPU ops that run.
+CPU_ONLY_OPS = ("attention_kvcache_append", "attention_rotary")
 
 
 def kernel_source(op, dispatch_key):

@@ -564,6 +564,73 @@ def test_opcheck_and_signature():
         assert not cache.any()
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("table_dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+def test_the_rotary_op_gives_the_bits_of_the_torch_formula(dtype, table_dtype, interleaved):
+    """On CPU tensors the rotation is one op (csrc/rotary.cpp); under vmap and on other devices
+    flash_attn_with_kvcache rotates with torch ops (kv_cache._rotate). Both round each product and
+    the sum on their own, so they agree bit for bit: per row and shared positions, every rotary dim
+    and part of them, strided rows; and both agree with the complex-multiplication reference."""
+    from attention_ext import kv_cache
+
+    g = torch.Generator().manual_seed(5)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    start = torch.tensor([3, 0, 9], dtype=torch.int32)
+    x = torch.randn(3, 4, 2, 13, generator=g, dtype=torch.float64).to(dtype)[..., 1:]  # strided rows, d = 12
+    for rotary_dim in (12, 8, 2, 0):
+        cos, sin = (t.to(table_dtype) for t in rotary_tables(16, rotary_dim))
+        for per_row in (True, False):
+            got = ops.attention_rotary(x, cos, sin, start, per_row, interleaved)
+            assert got.is_contiguous() and got.dtype == dtype
+            positions = start.long().unsqueeze(-1) + (torch.arange(4) if per_row else torch.zeros(4, dtype=torch.long))
+            rotation = kv_cache._rotation(cos, sin, positions, acc, interleaved)
+            assert torch.equal(got, kv_cache._rotate(x, rotation, interleaved)), (rotary_dim, per_row)
+            want = torch.stack([rotate_reference(x[b].double().clone(), cos, sin, positions[b], interleaved)
+                                for b in range(3)])
+            tolerance = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 2e-2)
+            torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_the_rotary_op_checks_its_arguments():
+    """Direct calls with positions past the tables, a rotary dim past the head dim or misshapen
+    arguments raise (in a subprocess that must survive); opcheck on its fake kernel."""
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    cos, sin = rotary_tables(10, 4)
+    torch.library.opcheck(ops.attention_rotary, (torch.randn(2, 3, 2, 8), cos, sin, i32(1, 7), True, True))
+    torch.library.opcheck(ops.attention_rotary, (torch.randn(2, 3, 2, 8).bfloat16(), cos.double(), sin.double(),
+                                                 i32(4, 0), False, False))
+    code = r"""
+import torch, attention_ext
+ops = torch.ops.attention_ext
+i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
+x, cos, sin = torch.randn(2, 3, 2, 8), torch.randn(10, 4), torch.randn(10, 4)
+calls = [
+    ((x, cos, sin, i32(1, 8), True, True), "positions 8..10 of entry 1 are outside the rotary tables' 10"),
+    ((x, cos, sin, i32(-1, 0), False, True), "positions -1..-1 of entry 0"),
+    ((x, torch.randn(10, 5), torch.randn(10, 5), i32(0, 0), True, True), "rotary_dim 10 .* exceeds the head dim 8"),
+    ((x, cos, sin[:9], i32(0, 0), True, True), "must both be"),
+    ((x, cos, sin, i32(0), True, True), "int32 of shape \(2,\)"),
+    ((x, cos, sin, torch.tensor([0, 0]), True, True), "int32"),
+    ((x[0], cos, sin, i32(0, 0), True, True), "\(batch, rows, heads, head_dim\)"),
+    ((x.long(), cos, sin, i32(0, 0), True, True), "float64/float32/float16/bfloat16"),
+    ((x, cos.long(), sin.long(), i32(0, 0), True, True), "rotary_cos must be float64"),
+]
+import re
+for args, message in calls:
+    try:
+        ops.attention_rotary(*args)
+    except RuntimeError as e:
+        assert re.search(message, str(e)), (message, str(e))
+    else:
+        raise SystemExit(f"no error for {message}")
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ))
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr[-2000:]
+
+
 @pytest.mark.cuda_kernels
 @pytest.mark.skipif(CUDA_KERNELS_DEVICE is None, reason="needs a CUDA device or the CUDA emulation build")
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
