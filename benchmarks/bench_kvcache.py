@@ -13,7 +13,8 @@ than the caches). Per (dtype, cached tokens, batch·kv_heads, query rows) it tim
     enable_gqa), what a torch decode step does;
   * torch gathered: torch's SDPA after gathering the paged blocks (what a paged cache costs torch).
 Append rows time one call that also writes one new token per entry into the cache (in place)
-against the call without it, beside the bare write (index_put_) of those rows. The % of bandwidth
+against the call without it, beside the bare write (index_put_) of those rows, and the call that
+also rotates q and the new token (rotary over the whole head dim, GPT-NeoX halves). The % of bandwidth
 can pass 100 % when a working set fits the CPU's last-level cache; the table gives each set's size.
 """
 from __future__ import annotations
@@ -99,6 +100,12 @@ def run_append(dtype, tokens, batch, kv_heads, reps, warmup):
              "append + attend": lambda: flash_attn_with_kvcache(q, k, v, k_new, v_new, cache_seqlens=lengths,
                                                                 causal=True),
              "write only": write}
+    # Rotary on q and the new keys (GPT-NeoX halves over the whole head dim), as a Llama decode step.
+    angles = torch.arange(tokens + 1, dtype=torch.float64).unsqueeze(-1) / 10000 ** (torch.arange(0, D, 2) / D)
+    cos, sin = angles.cos().float(), angles.sin().float()
+    steps["append + rotary + attend"] = lambda: flash_attn_with_kvcache(
+        q, k, v, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lengths, causal=True,
+        rotary_interleaved=False)
     med = time_interleaved(steps, reps, warmup)
     return {name: t * 1e3 for name, t in med.items()}
 
@@ -121,13 +128,15 @@ def render(meta, rows, append_rows):
                          f"{100 * res['gbps'] / bw:.0f}% | {res['ms'] / base:.2f} |")
     if append_rows:
         lines += ["", "## Appending one token per entry, in place", "",
-                  "| dtype | tokens | batch x kv_heads | attend ms | append + attend ms | extra ms | write only ms |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| dtype | tokens | batch x kv_heads | attend ms | append + attend ms | extra ms | write only ms | "
+                  "append + rotary + attend ms | rotary extra ms |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in append_rows:
             t = r["ms"]
             lines.append(f"| {r['dtype']} | {r['tokens']} | {r['batch']} x {r['kv_heads']} | {t['attend']:.3f} | "
                          f"{t['append + attend']:.3f} | {t['append + attend'] - t['attend']:.3f} | "
-                         f"{t['write only']:.3f} |")
+                         f"{t['write only']:.3f} | {t['append + rotary + attend']:.3f} | "
+                         f"{t['append + rotary + attend'] - t['append + attend']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

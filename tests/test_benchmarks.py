@@ -164,7 +164,7 @@ def test_context_parallel_benchmark_times_both_layouts_and_logs_every_step(tmp_p
 
 
 @pytest.mark.slow_on_emulation
-def test_kvcache_benchmark_times_every_layout_and_the_append(tmp_path):
+def test_kvcache_benchmark_times_every_layout_the_append_and_the_rotary(tmp_path):
     prefix = tmp_path / "kv"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kvcache.py"), "--lengths", "512",
                            "--batches", "1x2", "--rows", "1", "--dtypes", "float32", "--reps", "1", "--warmup", "0",
@@ -176,7 +176,7 @@ def test_kvcache_benchmark_times_every_layout_and_the_append(tmp_path):
     assert set(row["results"]) == {"ours contiguous", "ours paged 16", "ours paged 256", "torch sliced",
                                    "torch gathered"}
     assert row["kv_bytes"] == 2 * 2 * 512 * 64 * 4 and all(r["gbps"] > 0 for r in row["results"].values())
-    assert set(result["append_rows"][0]["ms"]) == {"attend", "append + attend", "write only"}
+    assert set(result["append_rows"][0]["ms"]) == {"attend", "append + attend", "write only", "append + rotary + attend"}
     assert "% of bandwidth" in (tmp_path / "kv.md").read_text()
 
 
