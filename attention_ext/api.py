@@ -251,16 +251,10 @@ def _check_mask(attn_mask, query, batch, n, m):
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attention_ext: attn_mask must be a torch.Tensor, a CausalBias or None, got "
                         f"{type(attn_mask).__name__}")
-    if attn_mask.dtype == torch.float32 and query.dtype != torch.float32 and attn_mask.device == query.device:
-        # torch takes a float32 mask with any query dtype. Converted to float64 exactly (its
-        # gradient returns in float32 through the conversion); rounding it to float16 / bfloat16
-        # would change the scores (torch adds it in float32), so that stays the caller's choice.
-        if query.dtype == torch.float64:
-            attn_mask = attn_mask.to(torch.float64)
-        else:
-            raise TypeError(f"attention_ext: a float32 attn_mask with {query.dtype} inputs is not supported (the "
-                            f"kernels read an additive mask in the inputs' dtype; torch adds it in float32): pass "
-                            f"attn_mask.to({query.dtype}) to round it, or a bool mask")
+    if attn_mask.dtype == torch.float32 and query.dtype == torch.float64 and attn_mask.device == query.device:
+        # torch takes a float32 mask with any query dtype: converted to float64 exactly (its gradient
+        # returns in float32 through the conversion). (float16 / bfloat16 inputs: _float32_mask_inputs.)
+        attn_mask = attn_mask.to(torch.float64)
     mask_rules(enforce, attn_mask, query)
     target = (*batch, n, m)
     ok = attn_mask.dim() <= len(target) and all(
@@ -441,11 +435,27 @@ def _autocast(query, key, value, attn_mask):
     return cast(query), cast(key), cast(value), mask
 
 
+def _float32_mask_inputs(query, key, value, attn_mask):
+    """torch adds a float32 attn_mask in float32 whatever the inputs' dtype. With float16 / bfloat16
+    inputs (the kernels read an additive mask in the inputs' dtype) the call runs on float32 copies
+    of them — exact conversions, differentiable, so gradients return in the inputs' dtype and the
+    mask's in float32 — and the result goes back to the inputs' dtype: the mask is never rounded.
+    Returns (query, key, value, the dtype to return the result in, or None)."""
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.float32 and \
+            all(isinstance(t, torch.Tensor) for t in (query, key, value)) and \
+            query.dtype in (torch.float16, torch.bfloat16) and key.dtype == value.dtype == query.dtype and \
+            attn_mask.device == query.device and _causal_bias_kind(attn_mask) is None:
+        return query.float(), key.float(), value.float(), query.dtype
+    return query, key, value, None
+
+
 def _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa):
     """The checks and normalisation attention and attention_weights share. Returns (query, key,
-    value, attn_mask, scale, dropout_p, heads): with enable_gqa the query heads are split into
-    (kv heads, groups) and heads is the count to merge back, else None."""
+    value, attn_mask, scale, dropout_p, heads, result_dtype): with enable_gqa the query heads are
+    split into (kv heads, groups) and heads is the count to merge back, else None; result_dtype
+    the dtype to return results in when the call runs in float32 for a float32 mask, else None."""
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
+    query, key, value, result_dtype = _float32_mask_inputs(query, key, value, attn_mask)
     _check_qkv(query, key, value)
     scale = _check_scale(scale, key)
     dropout_p = _check_dropout(dropout_p)
@@ -455,7 +465,7 @@ def _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa):
         query, key, value, attn_mask, heads = _apply_gqa(query, key, value, attn_mask)
     batch = _broadcast_batch(query, key, value)
     attn_mask = _check_mask(attn_mask, query, batch, query.shape[-2], key.shape[-2])
-    return query, key, value, attn_mask, scale, dropout_p, heads
+    return query, key, value, attn_mask, scale, dropout_p, heads, result_dtype
 
 
 def _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads):
@@ -471,7 +481,7 @@ def _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value,
 
 def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, window=(-1, -1), softcap=0.0,
          alibi_slopes=None, sinks=None):
-    query, key, value, attn_mask, scale, dropout_p, heads = _prepare(
+    query, key, value, attn_mask, scale, dropout_p, heads, result_dtype = _prepare(
         query, key, value, attn_mask, scale, dropout_p, enable_gqa)
     logit = _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads)
     # The kernels own dK/dV per key position, so K and V must broadcast alike: expand (a view).
@@ -485,6 +495,8 @@ def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, win
     if heads is not None:
         out = out.flatten(-4, -3)
         lse = lse.flatten(-3, -2)
+    if result_dtype is not None:
+        out = out.to(result_dtype)  # (lse is float32 for float16 / bfloat16 inputs too)
     return (_all_dropped(out) if all_dropped else out), lse
 
 
@@ -557,13 +569,14 @@ def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = Non
     _check_tensor(key, "key")
     # The shared checks, with a value of no columns.
     value = key.new_empty((*key.shape[:-1], 0))
-    query, key, value, attn_mask, scale, _, heads = _prepare(query, key, value, attn_mask, scale, 0.0, enable_gqa)
+    query, key, value, attn_mask, scale, _, heads, result_dtype = _prepare(query, key, value, attn_mask, scale, 0.0,
+                                                                           enable_gqa)
     logit = _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads)
     args = (query, key, attn_mask, scale, *logit)
     w = _call(ops.attention_probs, AttentionWeightsFunction, args, query, key, attn_mask, logit[-1])
     if heads is not None:
         w = w.flatten(-4, -3)
-    return w
+    return w if result_dtype is None else w.to(result_dtype)
 
 
 def dropout_mask(rng_state: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:

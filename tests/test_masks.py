@@ -425,10 +425,12 @@ def test_attn_mask_with_is_causal_applies_both_as_torchs_cpu_kernel(kind):
         leaves)
 
 
-def test_a_float32_mask_is_taken_with_float64_inputs_and_refused_with_half_precision_ones():
-    """torch takes a float32 mask with any query dtype: with float64 inputs it converts exactly
-    (its gradient comes back in float32); with bfloat16 / float16 ones, where rounding it would
-    change the scores torch adds in float32, the error says how to choose that rounding."""
+def test_a_float32_mask_is_taken_with_every_input_dtype():
+    """torch takes a float32 mask with any query dtype and adds it in float32. With float64 inputs
+    it converts exactly (its gradient comes back in float32). With bfloat16 / float16 ones the call
+    runs in float32 on exact copies of the inputs, so the mask is never rounded: the result in the
+    inputs' dtype, bit for bit the float32 call's output rounded once; gradients in each tensor's
+    own dtype; torch's SDPA agrees within the dtype's tolerance; so do attention_weights."""
     q, k, v = qkv(torch.float64)
     mask = torch.randn(N, M, requires_grad=True)
     out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -436,8 +438,18 @@ def test_a_float32_mask_is_taken_with_float64_inputs_and_refused_with_half_preci
     (grad,) = torch.autograd.grad(out.sum(), mask)
     assert grad.dtype == torch.float32
     for dtype in (torch.bfloat16, torch.float16):
-        with pytest.raises(TypeError, match=rf"a float32 attn_mask with {dtype} inputs .* attn_mask.to\({dtype}\)"):
-            scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask)
+        low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = scaled_dot_product_attention(*low, attn_mask=mask, dropout_p=0.0)
+        assert out.dtype == dtype
+        wide = [t.detach().float() for t in low]
+        assert torch.equal(out, scaled_dot_product_attention(*wide, attn_mask=mask.detach()).to(dtype))
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(*low, attn_mask=mask.detach()),
+                                   atol=ATOL[dtype], rtol=0)
+        grads = torch.autograd.grad(out.double().square().sum(), (*low, mask))
+        assert [g.dtype for g in grads] == [dtype, dtype, dtype, torch.float32]
+        weights = attention_weights(low[0], low[1], attn_mask=mask)
+        assert weights.dtype == dtype
+        assert torch.equal(weights, attention_weights(wide[0], wide[1], attn_mask=mask.detach()).to(dtype))
 
 
 @pytest.mark.parametrize("n,m", [(5, 7), (7, 5)])
