@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ._arguments import (band_rules, enforce, flag, mask_rules, per_head_rules, qkv_rules, scale_rules,
+from ._arguments import (band_rules, enforce, flag, mask_rules, per_head_rules, qkv_rules, scale_rules, traced_float,
                          softcap_rules)
 from ._constants import CAUSAL_CODES, FLOAT_DTYPES, lse_dtype, scale_overflows
 from ._ops import call_below_autograd, ops
@@ -102,6 +102,8 @@ def _check_scale(scale, key):
         scale = float(scale)
     except OverflowError:  # an int beyond float range, e.g. 10**400
         raise ValueError("attention_ext: scale must be finite, got an integer too large for a float") from None
+    if traced_float(scale):  # (its value unknown while torch.compile traces: the op checks it)
+        return scale
     if not math.isfinite(scale):
         raise ValueError(f"attention_ext: scale must be finite, got {scale}")
     scale_rules(enforce, scale, key.dtype)
@@ -173,6 +175,8 @@ def _check_softcap(softcap):
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"attention_ext: softcap must be a number or None, got {type(softcap).__name__}")
     softcap = float(softcap)
+    if traced_float(softcap):  # (its value unknown while torch.compile traces: the op checks it)
+        return softcap
     if not (math.isfinite(softcap) and softcap >= 0.0):
         raise ValueError(f"attention_ext: softcap must be a finite number > 0 (or None / 0.0 for none), got {softcap}")
     return softcap

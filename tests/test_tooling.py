@@ -99,6 +99,42 @@ def test_torch_compile_variants(kwargs):
         assert err <= 1e-5, f"d{name}: max abs error {err:.3e} vs the reference with the drawn mask"
 
 
+@pytest.mark.parametrize("call", ["sdpa", "sdpa_scale_dropout", "attention_softcap", "flash_scale_softcap",
+                                  "weights_scale", "varlen_scale_softcap"])
+def test_torch_compile_dynamic_fullgraph_with_float_arguments(call):
+    """torch.compile(dynamic=True, fullgraph=True): float arguments (scale, softcap, dropout_p) are
+    traced as symbols there, whose values Python cannot test; the rules on them are left to the op
+    (it checks them in C++ when it runs), so the call compiles, forward and backward, and gives
+    eager mode's bits at two shapes; a bad value still raises when the compiled call runs."""
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    calls = {
+        "sdpa": lambda q, s, c: attention_ext.scaled_dot_product_attention(q, q, q, is_causal=True),
+        "sdpa_scale_dropout": lambda q, s, c: attention_ext.scaled_dot_product_attention(q, q, q, scale=s,
+                                                                                         dropout_p=0.0),
+        "attention_softcap": lambda q, s, c: attention_ext.attention(q, q, q, softcap=c, causal="bottom_right"),
+        "flash_scale_softcap": lambda q, s, c: attention_ext.flash_attn_func(q, q, q, softmax_scale=s, softcap=c),
+        "weights_scale": lambda q, s, c: attention_ext.attention_weights(q, q, scale=s),
+        "varlen_scale_softcap": lambda q, s, c: attention_ext.flash_attn_varlen_func(
+            q[0, 0], q[0, 0], q[0, 0], cu, cu, 3, 3, softmax_scale=s, softcap=c),
+    }
+    torch._dynamo.reset()
+    fn = calls[call]
+    compiled = torch.compile(fn, backend="eager", dynamic=True, fullgraph=True)
+    for n in (5, 7):
+        q = rand(1, 2, n, 8, dtype=torch.float32, requires_grad=True)
+        if call == "varlen_scale_softcap":
+            q = rand(1, 1, 5, 2, 8, dtype=torch.float32, requires_grad=True)
+        for s, c in ((0.3, 2.0), (0.45, 3.5)):
+            got = compiled(q, s, c)
+            (grad,) = torch.autograd.grad(got.square().sum(), q)
+            want = fn(q, s, c)
+            assert torch.equal(got, want), (call, n, s, c)
+            assert torch.equal(grad, torch.autograd.grad(want.square().sum(), q)[0])
+    if call in ("attention_softcap", "flash_scale_softcap", "varlen_scale_softcap"):
+        with pytest.raises(Exception, match="softcap must be a finite number"):
+            compiled(q, 0.3, float("inf"))
+
+
 def test_torch_compile_inductor():
     torch._dynamo.reset()
     f = torch.compile(lambda q, k, v: attention_ext.scaled_dot_product_attention(q, k, v, is_causal=True) * 2,
