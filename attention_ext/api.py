@@ -322,12 +322,18 @@ def _apply_gqa(query, key, value, attn_mask):
     return query, key, value, attn_mask, hq
 
 
+def _traced() -> bool:
+    """Whether torch.compile (Dynamo) or torch.jit.trace records the call: then the op itself is
+    called, with its registered autograd (the same backward), which both record as one node; the
+    autograd Function would be a Python call jit.trace cannot save."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 def _call(op, function, args, *differentiable):
-    """Runs op(*args) the way the call needs: traced by Dynamo, the op itself (with its registered
-    autograd, the same backward; the Function's jvp/vmap rules are for eager functorch
-    transforms); when autograd has something to record, through the autograd Function; else
-    (inference) the op below the autograd keys."""
-    if torch.compiler.is_compiling():
+    """Runs op(*args) the way the call needs: traced (_traced), the op itself (the Function's
+    jvp/vmap rules are for eager functorch transforms); when autograd has something to record,
+    through the autograd Function; else (inference) the op below the autograd keys."""
+    if _traced():
         return op(*args)
     if _needs_autograd(*differentiable):
         return function.apply(*args)

@@ -181,7 +181,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     per head joining each row's softmax with value 0; differentiable) as in attention().
     max_seqlen_q / max_seqlen_k must be at least the longest sequence (checked)."""
     from .api import (_all_dropped, _check_dropout, _check_scale, _check_softcap, _check_window, _dropout_plan,
-                      _needs_autograd)
+                      _needs_autograd, _traced)
 
     _check_packed_tensor(q, "q")
     _check_packed_tensor(k, "k")
@@ -226,7 +226,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     dropout_p, rng_state, all_dropped = _dropout_plan(dropout_p, q.device)
     args = (qh, kh, vh, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal_code, window_left,
             window_right, softcap, slopes, sinks, dropout_p, rng_state)
-    if torch.compiler.is_compiling():
+    if _traced():
         out, lse = ops.attention_varlen_fwd(*args)
     elif _needs_autograd(qh, kh, vh, sinks):
         out, lse = VarlenAttentionFunction.apply(*args)

@@ -1,4 +1,4 @@
-"""The ops work with PyTorch's tooling: opcheck, torch.compile, torch.export, meta tensors."""
+"""The ops work with PyTorch's tooling: opcheck, torch.compile, torch.export, torch.jit.trace, meta tensors."""
 import pytest
 import torch
 
@@ -159,6 +159,46 @@ def test_torch_export():
     exported = torch.export.export(model, (x,))
     assert torch.allclose(exported.module()(x), model(x))
     assert "attention_ext.attention_fwd" in str(exported.graph)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("call", ["sdpa", "varlen"])
+def test_torch_jit_trace_records_the_op_and_the_module_saves(grad, call):
+    """torch.jit.trace (with grad on, the default, and under no_grad) records the op itself, not
+    the autograd Function (a Python call TorchScript cannot save): the trace check passes, the
+    module saves and loads, and the loaded module gives eager mode's output and gradients."""
+    import io
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 24)
+
+        def forward(self, x):
+            q, k, v = self.proj(x).unflatten(-1, (3, 2, 4)).unbind(-3)  # (batch, n, heads, d)
+            if call == "varlen":
+                cu = torch.tensor([0, 2, x.shape[0] * x.shape[1]], dtype=torch.int32)
+                flat = [t.flatten(0, 1) for t in (q, k, v)]
+                return attention_ext.flash_attn_varlen_func(*flat, cu, cu, 10, 10, causal=True)
+            return attention_ext.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                              is_causal=True)
+
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(2, 5, 8)
+    with torch.set_grad_enabled(grad):
+        traced = torch.jit.trace(model, x)
+    buffer = io.BytesIO()
+    torch.jit.save(traced, buffer)
+    buffer.seek(0)
+    loaded = torch.jit.load(buffer)
+    assert "attention_ext" in str(loaded.graph)
+    got, want = loaded(x), model(x)
+    assert torch.equal(got, want)
+    got_grads = torch.autograd.grad(got.square().sum(), list(loaded.parameters()))
+    want_grads = torch.autograd.grad(want.square().sum(), list(model.parameters()))
+    for g, w in zip(got_grads, want_grads):
+        assert torch.equal(g, w)
 
 
 def test_meta_tensors_give_shapes_without_computing():
