@@ -15,7 +15,7 @@ training and generate() alike:
   * GQA without repeat_kv (the kernels broadcast K/V heads), Gemma 2's logit softcap, GPT-OSS's
     sinks (`s_aux`, with their gradient), dropout in training, output_attentions (the exact
     weights);
-  * packed sequences (position_ids restarting at 0, or cu_seq_lens_q/k from
+  * packed sequences (position_ids restarting, e.g. at 0, or cu_seq_lens_q/k from
     DataCollatorWithFlattening): recognised here even when transformers' mask code did not see
     the packing (a training forward with the default use_cache=True), so no sequence attends to
     another. Without a mask from transformers they run as packed variable-length batches
@@ -231,10 +231,14 @@ def _traced_window(module):
 
 
 def _position_segments(position_ids, batch, n):
-    """(batch, n) segment ids from position_ids restarting (every row one segment if none does)."""
+    """(batch, n) segment ids from position_ids restarting (every row one segment if none does). A
+    restart is a position not after the one before it (DataCollatorWithFlattening's 0 after each
+    sequence); positions that jump forward stay one sequence, as transformers' sdpa and eager
+    attention treat them with a cache (its mask code splits at jumps too, but only without one,
+    and then its block-diagonal mask holds that split)."""
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != n or n < 2:
         return None
-    restarts = torch.diff(position_ids, dim=-1) != 1
+    restarts = torch.diff(position_ids, dim=-1) <= 0
     first = torch.zeros_like(position_ids[:, :1], dtype=torch.int64)
     return torch.cat([first, restarts.to(torch.int64).cumsum(-1)], dim=-1).expand(batch, n)
 

@@ -235,6 +235,23 @@ def test_packed_sequences_equal_the_sequences_run_one_by_one(family, how, no_sdp
             assert_same(got_grads[name], p.grad, f"gradient of {name}", tol=1e-4)
 
 
+def test_position_ids_that_jump_forward_are_one_sequence():
+    """Only a restart (a position not after the one before) starts a packed sequence: positions
+    that jump forward (0..3 then 10..13) are one sequence with the default cache, as eager and sdpa
+    attention take them; without a cache transformers' mask code splits there itself (its mask is
+    applied as given), so all three agree both ways."""
+    model = build("llama")
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(4))
+    position_ids = torch.tensor([[0, 1, 2, 3, 10, 11, 12, 13]])
+    for use_cache in (True, False):
+        logits = {}
+        for implementation in ("eager", NAME):
+            model.set_attn_implementation(implementation)
+            with torch.no_grad():
+                logits[implementation] = model(input_ids=ids, position_ids=position_ids, use_cache=use_cache).logits
+        assert_same(logits[NAME], logits["eager"], f"use_cache={use_cache}")
+
+
 def test_packed_bounds_ending_in_empty_sequences_equal_the_bounds_without_them(no_sdpa):
     """Batches padded to a fixed number of sequences repeat the last bound (empty sequences)."""
     model = build("llama")
