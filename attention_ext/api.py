@@ -383,7 +383,8 @@ def _lean_forward(query, key, value, causal_code, scale, enable_gqa=False):
     except RuntimeError:  # (a strided nested tensor has no sizes: the full path says what it is)
         return None
     rank = len(qs)
-    if rank < 2 or len(ks) != rank or len(vs) != rank or qs[-1] != ks[-1] or ks[-2] != vs[-2]:
+    if rank < 2 or len(ks) != rank or len(vs) != rank or qs[-1] != ks[-1] or ks[-2] != vs[-2] or \
+            rank - 2 > _MAX_BATCH_DIMS:
         return None
     groups = 1
     if enable_gqa:  # as _apply_gqa: query heads split into (K/V heads, groups), K/V a broadcast dim
@@ -478,6 +479,25 @@ def _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa):
     return query, key, value, attn_mask, scale, dropout_p, heads, result_dtype
 
 
+def _fold_batch_dims(query, key, value, attn_mask):
+    """torch takes any number of batch dims, the kernels at most _MAX_BATCH_DIMS: beyond that the
+    leading ones are merged into one (each tensor expanded to their broadcast sizes first, so one
+    broadcast along them is copied; differentiable), in row-major order, which dropout's batch
+    index keeps. Returns (query, key, value, attn_mask, the merged dims' sizes or None)."""
+    batch = _broadcast_batch(query, key, value)
+    if len(batch) <= _MAX_BATCH_DIMS:
+        return query, key, value, attn_mask, None
+    lead = tuple(batch[:len(batch) - _MAX_BATCH_DIMS + 1])
+
+    def fold(t):
+        if t is None:
+            return None
+        t = t.reshape((1,) * (len(batch) + 2 - t.dim()) + tuple(t.shape))  # (a view: leading 1s)
+        return t.expand(*lead, *t.shape[len(lead):]).flatten(0, len(lead) - 1)
+
+    return fold(query), fold(key), fold(value), fold(attn_mask), lead
+
+
 def _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads):
     """The ops' logit arguments (causal code, window_left, window_right, softcap, alibi_slopes,
     sinks), checked against the prepared (GQA-split) query, key and value; the checks attention
@@ -493,6 +513,7 @@ def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, win
          alibi_slopes=None, sinks=None):
     query, key, value, attn_mask, scale, dropout_p, heads, result_dtype = _prepare(
         query, key, value, attn_mask, scale, dropout_p, enable_gqa)
+    query, key, value, attn_mask, lead = _fold_batch_dims(query, key, value, attn_mask)
     logit = _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads)
     # The kernels own dK/dV per key position, so K and V must broadcast alike: expand (a view).
     if key.shape[:-2] != value.shape[:-2]:
@@ -507,6 +528,8 @@ def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, win
         lse = lse.flatten(-3, -2)
     if result_dtype is not None:
         out = out.to(result_dtype)  # (lse is float32 for float16 / bfloat16 inputs too)
+    if lead is not None:
+        out, lse = out.unflatten(0, lead), lse.unflatten(0, lead)
     return (_all_dropped(out) if all_dropped else out), lse
 
 
@@ -581,11 +604,14 @@ def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = Non
     value = key.new_empty((*key.shape[:-1], 0))
     query, key, value, attn_mask, scale, _, heads, result_dtype = _prepare(query, key, value, attn_mask, scale, 0.0,
                                                                            enable_gqa)
+    query, key, value, attn_mask, lead = _fold_batch_dims(query, key, value, attn_mask)
     logit = _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads)
     args = (query, key, attn_mask, scale, *logit)
     w = _call(ops.attention_probs, AttentionWeightsFunction, args, query, key, attn_mask, logit[-1])
     if heads is not None:
         w = w.flatten(-4, -3)
+    if lead is not None:
+        w = w.unflatten(0, lead)
     return w if result_dtype is None else w.to(result_dtype)
 
 

@@ -181,14 +181,15 @@ def test_a_window_bound_beyond_2_to_the_62_is_a_value_error(bound):
     assert attention_ext.attention(q, q, q, window=(2 ** 62, None)).shape == q.shape
 
 
-def test_leading_dims_up_to_the_kernels_limit_run_and_one_more_is_refused():
-    """The Python GQA rule's limit is the kernels' kMaxBatchDims: 8 leading dims run, 9 do not."""
+def test_leading_dims_past_the_kernels_limit_are_merged_and_the_op_refuses_them():
+    """The kernels take kMaxBatchDims (8) batch dims: the API merges the leading ones of a call
+    with more (tests/test_forward.py checks the results); the op called directly refuses them."""
     from attention_ext.api import _MAX_BATCH_DIMS
-    q = t(*[1] * _MAX_BATCH_DIMS, 3, 8)
-    assert sdpa(q, q, q).shape == q.shape
-    q = t(*[1] * (_MAX_BATCH_DIMS + 1), 3, 8)
+    for dims in (_MAX_BATCH_DIMS, _MAX_BATCH_DIMS + 1):
+        q = t(*[1] * dims, 3, 8)
+        assert sdpa(q, q, q).shape == q.shape
     with pytest.raises(RuntimeError, match=rf"at most {_MAX_BATCH_DIMS} batch dims"):
-        sdpa(q, q, q)
+        torch.ops.attention_ext.attention_fwd(q, q, q, None, 0.5, 0, -1, -1, 0.0, None, None, 0.0, None)
 
 
 def test_kvcache_with_no_entries_returns_empty_results_and_a_paged_cache_needs_a_slot():

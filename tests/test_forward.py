@@ -406,3 +406,32 @@ def test_autocast_holds_in_a_compiled_call_too():
     assert masked(q, k, v, mask).dtype == lean(q, k, v).dtype == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert masked(q, k, v, mask).dtype == lean(q, k, v).dtype == torch.bfloat16
+
+
+def test_more_batch_dims_than_the_kernels_take_are_merged():
+    """torch takes any number of batch dims; the kernels take 8. Ten of them (key and value
+    broadcast along a leading one, a float mask along others) give the reference's output and
+    lse, the weights, gradients into every input and the mask (gradcheck), and dropout's keep
+    mask indexed over all ten dims in row-major order."""
+    from attention_ext import attention_weights, draw_rng_state, dropout_mask
+
+    lead = (2, 1, 1, 1, 1, 1, 1, 1, 2, 1)
+    q = rand(*lead, 3, 4, requires_grad=True)
+    k = rand(1, *lead[1:], 5, 4, requires_grad=True)
+    v = rand(1, *lead[1:], 5, 2, requires_grad=True)
+    mask = rand(2, 1, 3, 5, requires_grad=True)  # (broadcast over the first eight batch dims)
+    out, lse = attention_ext.attention(q, k, v, attn_mask=mask, causal="bottom_right", return_lse=True)
+    ref_out, ref_lse, _ = attention_reference(q, k, v, mask, causal="bottom_right")
+    assert out.shape == (*lead, 3, 2) and lse.shape == (*lead, 3)
+    assert (out - ref_out).abs().max().item() <= 1e-12 and (lse - ref_lse).abs().max().item() <= 1e-12
+    weights = attention_weights(q, k, attn_mask=mask, causal="bottom_right")
+    assert weights.shape == (*lead, 3, 5)
+    assert torch.allclose(weights @ v.expand(*lead, 5, 2), out, atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(
+        lambda *t: attention_ext.scaled_dot_product_attention(*t[:3], attn_mask=t[3]), (q, k, v, mask))
+    torch.manual_seed(7)
+    keep = dropout_mask(draw_rng_state("cpu"), (*lead, 3, 5), 0.4)
+    torch.manual_seed(7)
+    dropped = attention_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.4)
+    want = attention_reference(q, k, v, mask, dropout_mask=keep, dropout_p=0.4)[0]
+    assert (dropped - want).abs().max().item() <= 1e-12
