@@ -100,8 +100,8 @@ KVCacheCall check_kv_cache_inputs(const at::Tensor& q, const at::Tensor& k_cache
   }
   for (int64_t b = 0; b < call.batch; ++b) {
     const int64_t end = call.seqlens[b], begin = call.leftpad[b];
-    TORCH_CHECK(end >= 0 && end <= capacity, "attention_ext: cache_seqlens[", b, "] = ", end, " (after appending ",
-                "the new keys) is outside the cache's capacity of ", capacity, " keys");
+    TORCH_CHECK(end >= 0 && end <= capacity, "attention_ext: cache_seqlens[", b, "] = ", end, " (the keys the entry ",
+                "attends to, any appended ones included) must be in [0, ", capacity, "], the cache's capacity");
     TORCH_CHECK(begin >= 0 && begin <= end, "attention_ext: cache_leftpad[", b, "] = ", begin,
                 " must be in [0, cache_seqlens[", b, "] = ", end, "]");
     if (!call.paged || end == begin) continue;
