@@ -16,6 +16,8 @@ Append rows time one call that also writes one new token per entry into the cach
 against the call without it, beside the bare write (index_put_) of those rows, and the call that
 also rotates q and the new token (rotary over the whole head dim, GPT-NeoX halves). The % of bandwidth
 can pass 100 % when a working set fits the CPU's last-level cache; the table gives each set's size.
+Under THP_MEM_ALLOC_ENABLE=1 torch's CPU allocator asks for transparent huge pages for large
+tensors (Linux; what a serving process can set): the table says whether the caches had them.
 """
 from __future__ import annotations
 
@@ -116,7 +118,9 @@ def render(meta, rows, append_rows):
              f"torch {meta['torch']}, {meta['threads']} threads, kernel variant {meta['variant']}; measured streaming "
              f"read bandwidth {bw:.1f} GB/s (same run: {meta['bandwidth_start_end'][0]:.1f} before the timings, "
              f"{meta['bandwidth_start_end'][1]:.1f} after; the larger is used). Heads = {HEADS_PER_KV} x kv_heads "
-             f"(GQA), head dim {D}, causal. GB/s = K and V bytes read per call / time.", "",
+             f"(GQA), head dim {D}, causal. GB/s = K and V bytes read per call / time. Caches allocated "
+             f"{'with' if meta.get('thp_mem_alloc') else 'without'} torch's THP_MEM_ALLOC_ENABLE=1 (transparent huge "
+             f"pages).", "",
              f"Command: `{meta['command']}`", "",
              "| dtype | tokens | batch x kv_heads | q rows | K/V MiB | candidate | ms | GB/s | % of bandwidth | "
              "time / ours contiguous |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -153,7 +157,10 @@ def main(argv=None):
     bw_start = bench.measure_bandwidth()["gbps"]
     meta = {"cpu": bench.cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "variant": attention_ext.cpu_variant(),
-            "command": "python benchmarks/bench_kvcache.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+            # torch's CPU allocator asks for transparent huge pages for large tensors when set
+            "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
+            "command": ("THP_MEM_ALLOC_ENABLE=1 " if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else "") +
+            "python benchmarks/bench_kvcache.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(f"{meta['cpu']}: streaming read {bw_start:.1f} GB/s on {meta['threads']} threads", flush=True)
     rows, append_rows = [], []
     for dtype_name in a.dtypes.split(","):
