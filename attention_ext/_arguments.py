@@ -93,18 +93,16 @@ def head_groups_rule(check: Check, heads: int, kv_heads: int, kv_name: str = "k 
           lambda: f"the number of heads in q ({heads}) must be a multiple of the number in {kv_name} ({kv_heads})")
 
 
-def traced_float(x) -> bool:
-    """Whether float x's value may be unknown here: while torch.compile traces, a float argument
-    can be a symbol (dynamic=True), whose finiteness and range Python cannot test; the rules on it
-    are then left to the op, which checks them in C++ when it runs (op_arguments.cpp)."""
-    return isinstance(x, torch.SymFloat) or torch.compiler.is_compiling()
+def finite(x) -> bool:
+    """Whether float x is finite (NaN and ±inf are not), written so torch.compile can trace it:
+    Dynamo runs math.isfinite as a torch op that returns no tensor and stops the trace (a float
+    traced as a symbol, dynamic=True, gets a guard on the comparison instead)."""
+    return abs(x) < math.inf
 
 
 def scale_rules(check: Check, scale: float, dtype: torch.dtype) -> None:
     """The kernels hold scale·log2(e) in the accumulation dtype (float32 for float32, float16 and
     bfloat16 inputs): a scale that is infinite there would turn every score into inf or NaN."""
-    if traced_float(scale):
-        return
     check(not scale_overflows(scale, dtype), ValueError,
           lambda: f"scale must be finite in the {lse_dtype(dtype)} accumulation of {dtype} inputs "
           f"(|scale| <= {max_scale(dtype):.4g}), got {scale}")
@@ -148,9 +146,7 @@ def band_rules(check: Check, causal, window_left, window_right, n, m) -> None:
 def softcap_rules(check: Check, softcap: float, dtype: torch.dtype) -> None:
     """The kernels hold softcap·log2(e) and its reciprocal in the accumulation dtype: a softcap
     that overflows there, or underflows below its normal range, would give NaN or silently none."""
-    if traced_float(softcap):
-        return
-    check(math.isfinite(softcap) and softcap >= 0.0, ValueError,
+    check(finite(softcap) and softcap >= 0.0, ValueError,
           lambda: f"softcap must be a finite number >= 0 (0: none), got {softcap}")
     acc = torch.finfo(lse_dtype(dtype))
     top = min(acc.max, 1.0 / acc.tiny)  # (the reciprocal must stay a normal number too)

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ._arguments import (band_rules, enforce, flag, mask_rules, per_head_rules, qkv_rules, scale_rules, traced_float,
+from ._arguments import (band_rules, enforce, flag, mask_rules, per_head_rules, qkv_rules, scale_rules, finite,
                          softcap_rules)
 from ._constants import CAUSAL_CODES, FLOAT_DTYPES, lse_dtype, scale_overflows
 from ._ops import call_below_autograd, ops
@@ -102,9 +102,7 @@ def _check_scale(scale, key):
         scale = float(scale)
     except OverflowError:  # an int beyond float range, e.g. 10**400
         raise ValueError("attention_ext: scale must be finite, got an integer too large for a float") from None
-    if traced_float(scale):  # (its value unknown while torch.compile traces: the op checks it)
-        return scale
-    if not math.isfinite(scale):
+    if not finite(scale):
         raise ValueError(f"attention_ext: scale must be finite, got {scale}")
     scale_rules(enforce, scale, key.dtype)
     return scale
@@ -175,9 +173,7 @@ def _check_softcap(softcap):
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"attention_ext: softcap must be a number or None, got {type(softcap).__name__}")
     softcap = float(softcap)
-    if traced_float(softcap):  # (its value unknown while torch.compile traces: the op checks it)
-        return softcap
-    if not (math.isfinite(softcap) and softcap >= 0.0):
+    if not (finite(softcap) and softcap >= 0.0):
         raise ValueError(f"attention_ext: softcap must be a finite number > 0 (or None / 0.0 for none), got {softcap}")
     return softcap
 
@@ -396,7 +392,7 @@ def _lean_forward(query, key, value, causal_code, scale, enable_gqa=False):
             return None
     if scale is None:
         scale = _default_scale(ks[-1])
-    elif type(scale) is not float or not math.isfinite(scale) or scale_overflows(scale, dtype):
+    elif type(scale) is not float or not finite(scale) or scale_overflows(scale, dtype):
         return None
     if groups > 1:
         query = query.unflatten(-3, (ks[-3], groups))

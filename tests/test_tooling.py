@@ -103,9 +103,10 @@ def test_torch_compile_variants(kwargs):
                                   "weights_scale", "varlen_scale_softcap"])
 def test_torch_compile_dynamic_fullgraph_with_float_arguments(call):
     """torch.compile(dynamic=True, fullgraph=True): float arguments (scale, softcap, dropout_p) are
-    traced as symbols there, whose values Python cannot test; the rules on them are left to the op
-    (it checks them in C++ when it runs), so the call compiles, forward and backward, and gives
-    eager mode's bits at two shapes; a bad value still raises when the compiled call runs."""
+    traced as symbols there, and the checks on them trace too (guards, no math.isfinite), so the
+    call compiles, forward and backward, and gives eager mode's bits at two shapes and two sets of
+    values; a bad value still raises with the eager call's message (fullgraph wraps it in Dynamo's
+    Unsupported: an exception while tracing is a graph break)."""
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
     calls = {
         "sdpa": lambda q, s, c: attention_ext.scaled_dot_product_attention(q, q, q, is_causal=True),
@@ -133,6 +134,26 @@ def test_torch_compile_dynamic_fullgraph_with_float_arguments(call):
     if call in ("attention_softcap", "flash_scale_softcap", "varlen_scale_softcap"):
         with pytest.raises(Exception, match="softcap must be a finite number"):
             compiled(q, 0.3, float("inf"))
+
+
+def test_a_compiled_kv_cache_call_checks_scale_and_softcap_before_it_appends():
+    """flash_attn_with_kvcache checks every rule before it writes the cache, compiled as well: a
+    bad softcap or scale raises the eager call's ValueError and the cache is left as it was."""
+    def step(q, k_cache, v_cache, k, v, scale, softcap):
+        return attention_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=2,
+                                                     softmax_scale=scale, softcap=softcap)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="eager", dynamic=True)
+    q, k, v = (torch.randn(1, 1, 1, 4) for _ in range(3))
+    k_cache, v_cache = torch.zeros(1, 8, 1, 4), torch.zeros(1, 8, 1, 4)
+    assert torch.equal(compiled(q, k_cache.clone(), v_cache.clone(), k, v, 0.5, 2.0),
+                       step(q, k_cache.clone(), v_cache.clone(), k, v, 0.5, 2.0))
+    for scale, softcap, message in ((0.5, -1.0, "softcap must be a finite number"),
+                                    (float("inf"), 0.0, "scale must be finite")):
+        with pytest.raises(ValueError, match=message):
+            compiled(q, k_cache, v_cache, k, v, scale, softcap)
+        assert not k_cache.any() and not v_cache.any()
 
 
 def test_torch_compile_inductor():
