@@ -475,23 +475,26 @@ def _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa):
     return query, key, value, attn_mask, scale, dropout_p, heads, result_dtype
 
 
-def _fold_batch_dims(query, key, value, attn_mask):
+def _fold_batch_dims(query, key, value, attn_mask, alibi_slopes, sinks):
     """torch takes any number of batch dims, the kernels at most _MAX_BATCH_DIMS: beyond that the
     leading ones are merged into one (each tensor expanded to their broadcast sizes first, so one
     broadcast along them is copied; differentiable), in row-major order, which dropout's batch
-    index keeps. Returns (query, key, value, attn_mask, the merged dims' sizes or None)."""
+    index keeps. Per-head tensors (alibi_slopes, sinks) are merged alike where they reach into
+    those dims. Returns (query, key, value, attn_mask, alibi_slopes, sinks, the merged dims' sizes
+    or None)."""
     batch = _broadcast_batch(query, key, value)
     if len(batch) <= _MAX_BATCH_DIMS:
-        return query, key, value, attn_mask, None
+        return query, key, value, attn_mask, alibi_slopes, sinks, None
     lead = tuple(batch[:len(batch) - _MAX_BATCH_DIMS + 1])
 
-    def fold(t):
-        if t is None:
-            return None
-        t = t.reshape((1,) * (len(batch) + 2 - t.dim()) + tuple(t.shape))  # (a view: leading 1s)
+    def fold(t, trailing):
+        if not isinstance(t, torch.Tensor) or t.dim() - trailing <= len(batch) - len(lead):
+            return t  # (None, or broadcasting against the kept dims only; bad ones are reported later)
+        t = t.reshape((1,) * (len(batch) + trailing - t.dim()) + tuple(t.shape))  # (a view: leading 1s)
         return t.expand(*lead, *t.shape[len(lead):]).flatten(0, len(lead) - 1)
 
-    return fold(query), fold(key), fold(value), fold(attn_mask), lead
+    return (fold(query, 2), fold(key, 2), fold(value, 2), fold(attn_mask, 2), fold(alibi_slopes, 0),
+            fold(sinks, 0), lead)
 
 
 def _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads):
@@ -509,7 +512,8 @@ def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, win
          alibi_slopes=None, sinks=None):
     query, key, value, attn_mask, scale, dropout_p, heads, result_dtype = _prepare(
         query, key, value, attn_mask, scale, dropout_p, enable_gqa)
-    query, key, value, attn_mask, lead = _fold_batch_dims(query, key, value, attn_mask)
+    query, key, value, attn_mask, alibi_slopes, sinks, lead = _fold_batch_dims(query, key, value, attn_mask,
+                                                                                alibi_slopes, sinks)
     logit = _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads)
     # The kernels own dK/dV per key position, so K and V must broadcast alike: expand (a view).
     if key.shape[:-2] != value.shape[:-2]:
@@ -600,7 +604,8 @@ def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = Non
     value = key.new_empty((*key.shape[:-1], 0))
     query, key, value, attn_mask, scale, _, heads, result_dtype = _prepare(query, key, value, attn_mask, scale, 0.0,
                                                                            enable_gqa)
-    query, key, value, attn_mask, lead = _fold_batch_dims(query, key, value, attn_mask)
+    query, key, value, attn_mask, alibi_slopes, sinks, lead = _fold_batch_dims(query, key, value, attn_mask,
+                                                                                alibi_slopes, sinks)
     logit = _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads)
     args = (query, key, attn_mask, scale, *logit)
     w = _call(ops.attention_probs, AttentionWeightsFunction, args, query, key, attn_mask, logit[-1])

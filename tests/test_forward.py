@@ -410,8 +410,9 @@ def test_autocast_holds_in_a_compiled_call_too():
 
 def test_more_batch_dims_than_the_kernels_take_are_merged():
     """torch takes any number of batch dims; the kernels take 8. Ten of them (key and value
-    broadcast along a leading one, a float mask along others) give the reference's output and
-    lse, the weights, gradients into every input and the mask (gradcheck), and dropout's keep
+    broadcast along a leading one; one float mask that varies along the merged dims and one
+    that broadcasts over them; sinks that vary along them) give the reference's output and lse,
+    the weights, gradients into every input, mask and the sinks (gradcheck), and dropout's keep
     mask indexed over all ten dims in row-major order."""
     from attention_ext import attention_weights, draw_rng_state, dropout_mask
 
@@ -419,16 +420,19 @@ def test_more_batch_dims_than_the_kernels_take_are_merged():
     q = rand(*lead, 3, 4, requires_grad=True)
     k = rand(1, *lead[1:], 5, 4, requires_grad=True)
     v = rand(1, *lead[1:], 5, 2, requires_grad=True)
-    mask = rand(2, 1, 3, 5, requires_grad=True)  # (broadcast over the first eight batch dims)
-    out, lse = attention_ext.attention(q, k, v, attn_mask=mask, causal="bottom_right", return_lse=True)
-    ref_out, ref_lse, _ = attention_reference(q, k, v, mask, causal="bottom_right")
-    assert out.shape == (*lead, 3, 2) and lse.shape == (*lead, 3)
-    assert (out - ref_out).abs().max().item() <= 1e-12 and (lse - ref_lse).abs().max().item() <= 1e-12
-    weights = attention_weights(q, k, attn_mask=mask, causal="bottom_right")
-    assert weights.shape == (*lead, 3, 5)
-    assert torch.allclose(weights @ v.expand(*lead, 5, 2), out, atol=1e-12, rtol=0)
-    assert torch.autograd.gradcheck(
-        lambda *t: attention_ext.scaled_dot_product_attention(*t[:3], attn_mask=t[3]), (q, k, v, mask))
+    sinks = rand(2, *[1] * 9, requires_grad=True)  # one per (first dim, head)
+    for mask in (rand(2, 1, 3, 5, requires_grad=True),  # (broadcast over the first eight batch dims)
+                 rand(2, *[1] * 9, 3, 5, requires_grad=True)):  # (varies along the merged ones)
+        out, lse = attention_ext.attention(q, k, v, attn_mask=mask, causal="bottom_right", sinks=sinks,
+                                           return_lse=True)
+        ref_out, ref_lse, _ = attention_reference(q, k, v, mask, causal="bottom_right", sinks=sinks)
+        assert out.shape == (*lead, 3, 2) and lse.shape == (*lead, 3)
+        assert (out - ref_out).abs().max().item() <= 1e-12 and (lse - ref_lse).abs().max().item() <= 1e-12
+        weights = attention_weights(q, k, attn_mask=mask, causal="bottom_right", sinks=sinks)
+        assert weights.shape == (*lead, 3, 5)
+        assert torch.allclose(weights @ v.expand(*lead, 5, 2), out, atol=1e-12, rtol=0)
+        assert torch.autograd.gradcheck(
+            lambda *t: attention_ext.attention(*t[:3], attn_mask=t[3], sinks=t[4]), (q, k, v, mask, sinks))
     torch.manual_seed(7)
     keep = dropout_mask(draw_rng_state("cpu"), (*lead, 3, 5), 0.4)
     torch.manual_seed(7)
