@@ -369,9 +369,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                    [max(lengths) + (seqlen_q - 1 if local else 0) if seqlen_q else -1])
         if last >= rotary_cos.shape[0]:
             _fail(ValueError, f"position {last} is beyond the rotary tables' {rotary_cos.shape[0]} positions")
-        if device.type == "cpu" and not torch._C._are_functorch_transforms_active():
+        if device.type == "cpu" and not torch._C._are_functorch_transforms_active() and \
+                rotary_cos.dtype in _FLOAT_DTYPES and rotary_sin.dtype in _FLOAT_DTYPES:
             # One op per tensor (rotary.h), the formula's bits; under vmap and the other functorch
-            # transforms, and on other devices, the torch ops below (the op has no batching rule).
+            # transforms (the op has no batching rule), for tables in other float dtypes (float8)
+            # and on other devices, the torch ops below.
             starts = _starts(cache_seqlens, lengths)
             k = ops.attention_rotary(k, rotary_cos, rotary_sin, starts, True, rotary_interleaved)
             q = ops.attention_rotary(q, rotary_cos, rotary_sin, starts, local, rotary_interleaved)

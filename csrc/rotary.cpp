@@ -26,6 +26,9 @@ inline A rounded(A v) {
   asm("" : "+x"(v));
 #elif defined(__GNUC__) && defined(__aarch64__)
   asm("" : "+w"(v));
+#else
+  volatile A stored = v;  // (elsewhere: through memory, which no contraction crosses)
+  v = stored;
 #endif
   return v;
 }

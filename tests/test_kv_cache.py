@@ -555,6 +555,10 @@ def test_opcheck_and_signature():
                                                          v_new, i32(5, 9), i32(2, 0), None))
     torch.library.opcheck(ops.attention_kvcache_append, (torch.zeros(6, 4, 2, 8), torch.zeros(6, 4, 2, 8), k_new,
                                                          v_new, i32(3, 0), None, i32([0, 1, 2], [3, 4, 5])))
+    # the forward op checks the key ends itself
+    with pytest.raises(RuntimeError, match=r"cache_seqlens\[1\] = -5 \(the keys the entry attends to, any appended "
+                                           r"ones included\) must be in \[0, 20\]"):
+        ops.attention_kvcache_fwd(q, kc, kc, i32(5, -5), None, None, None, 0.4, 0, -1, -1, 0.0, None)
     # the op checks every position itself before writing any (the Python function checks first)
     cache = torch.zeros(6, 4, 2, 8)
     for starts, table, message in ((i32(3, 10), i32([0, 1, 2], [3, 4, 5]), r"cache_seqlens\[1\] = 10 plus 3 new keys"),
@@ -565,7 +569,7 @@ def test_opcheck_and_signature():
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-@pytest.mark.parametrize("table_dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("table_dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
 def test_the_rotary_op_gives_the_bits_of_the_torch_formula(dtype, table_dtype, interleaved):
     """On CPU tensors the rotation is one op (csrc/rotary.cpp); under vmap and on other devices
@@ -590,6 +594,20 @@ def test_the_rotary_op_gives_the_bits_of_the_torch_formula(dtype, table_dtype, i
                                 for b in range(3)])
             tolerance = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 2e-2)
             torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_rotary_tables_in_other_float_dtypes_take_the_torch_formula():
+    """Tables in a float dtype the op does not read (float8) take the torch formula: the result
+    of the same tables converted exactly to float32."""
+    cos, sin = (t.to(torch.float8_e4m3fn) for t in rotary_tables(10, 4))
+    q, k, v = (torch.randn(1, 1, 2, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    results = []
+    for tables in ((cos, sin), (cos.float(), sin.float())):
+        caches = (torch.zeros(1, 8, 1, 4), torch.zeros(1, 8, 1, 4))
+        out = flash_attn_with_kvcache(q, *caches, k[:, :, :1], v[:, :, :1], rotary_cos=tables[0],
+                                      rotary_sin=tables[1], cache_seqlens=2, causal=True)
+        results.append((out, *caches))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_the_rotary_op_checks_its_arguments():
