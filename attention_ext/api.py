@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ._arguments import (band_rules, enforce, flag, mask_rules, per_head_rules, qkv_rules, scale_rules, finite,
+from ._arguments import (band_rules, enforce, finite, flag, mask_rules, per_head_rules, qkv_rules, scale_rules,
                          softcap_rules)
 from ._constants import CAUSAL_CODES, FLOAT_DTYPES, lse_dtype, scale_overflows
 from ._ops import call_below_autograd, ops

@@ -39,14 +39,12 @@ import numbers
 import torch
 
 from . import _arguments
-from ._constants import lse_dtype
+from ._constants import FLOAT_DTYPES, lse_dtype
 from ._ops import ops
 from .api import _check_scale, _check_softcap
 from .function import forward_ad_possible
 
 __all__ = ["flash_attn_with_kvcache"]
-
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 @torch.library.register_fake("attention_ext::attention_kvcache_fwd")
@@ -72,10 +70,10 @@ def _rotary_fake(x, cos, sin, start, per_row, interleaved):
     """The op's shape and dtype rules (the positions are values: checked when it runs); the
     rotated rows come back contiguous, in x's dtype."""
     check = _arguments.check_traced
-    check(x.dim() == 4 and x.dtype in _FLOAT_DTYPES, ValueError,
+    check(x.dim() == 4 and x.dtype in FLOAT_DTYPES, ValueError,
           lambda: f"rotary rotates float (batch, rows, heads, head_dim) tensors, got {x.dtype} of shape "
                   f"{tuple(x.shape)}")
-    check(cos.dim() == 2 and cos.shape == sin.shape and cos.dtype in _FLOAT_DTYPES and sin.dtype in _FLOAT_DTYPES,
+    check(cos.dim() == 2 and cos.shape == sin.shape and cos.dtype in FLOAT_DTYPES and sin.dtype in FLOAT_DTYPES,
           ValueError, lambda: f"rotary_cos / rotary_sin must both be float (seqlen_ro, rotary_dim / 2), got "
                               f"{cos.dtype} {tuple(cos.shape)} and {sin.dtype} {tuple(sin.shape)}")
     check(2 * cos.shape[1] <= x.shape[3], ValueError,
@@ -370,7 +368,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if last >= rotary_cos.shape[0]:
             _fail(ValueError, f"position {last} is beyond the rotary tables' {rotary_cos.shape[0]} positions")
         if device.type == "cpu" and not torch._C._are_functorch_transforms_active() and \
-                rotary_cos.dtype in _FLOAT_DTYPES and rotary_sin.dtype in _FLOAT_DTYPES:
+                rotary_cos.dtype in FLOAT_DTYPES and rotary_sin.dtype in FLOAT_DTYPES:
             # One op per tensor (rotary.h), the formula's bits; under vmap and the other functorch
             # transforms (the op has no batching rule), for tables in other float dtypes (float8)
             # and on other devices, the torch ops below.
