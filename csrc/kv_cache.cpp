@@ -7,9 +7,8 @@
 #include <cstring>
 
 namespace attention_ext {
-namespace {
 
-// A per-entry int32 vector argument (B,) read to the host.
+// A per-entry int32 vector argument (B,), on q's device or the CPU, read to the host (kv_cache.h).
 std::vector<int64_t> read_per_entry(const at::Tensor& t, const char* name, int64_t batch, const at::Tensor& q) {
   TORCH_CHECK(t.scalar_type() == at::kInt, "attention_ext: ", name, " must be int32, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, "attention_ext: ", name, " must have shape (", batch,
@@ -19,6 +18,8 @@ std::vector<int64_t> read_per_entry(const at::Tensor& t, const char* name, int64
   const at::Tensor host = t.to(at::kCPU, at::kLong).contiguous();
   return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + batch);
 }
+
+namespace {
 
 // block_table (B, max_blocks) int32, on the query's (or cache's) device or the CPU, checked and
 // copied to the host.

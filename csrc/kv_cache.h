@@ -60,6 +60,10 @@ KVCacheForward prepare_kv_cache_forward(const at::Tensor& q, const at::Tensor& k
                                         const std::optional<at::Tensor>& block_table, double scale,
                                         const LogitOptions& logit, int64_t paged_rows);
 
+// A per-entry int32 argument of shape (batch,) (cache_seqlens, cache_leftpad, cache_batch_idx, the
+// rotary's start positions), checked (dtype, shape, on q's device or the CPU) and read to the host.
+std::vector<int64_t> read_per_entry(const at::Tensor& t, const char* name, int64_t batch, const at::Tensor& q);
+
 // Writes new keys and values into the caches in place (FlashAttention's append): k / v (B, new,
 // kv_heads, d) row t of entry b goes to position cache_seqlens[b] + t of cache row
 // cache_batch_idx[b] (default b) of a (B_cache, S_max, kv_heads, d) cache, or, paged, to slot

@@ -6,6 +6,8 @@
 // Memory traffic: x read once and its rotated copy written once; one table row per position.
 #include "rotary.h"
 
+#include "kv_cache.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -99,15 +101,11 @@ at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at
   const int64_t batch = x.size(0), rows = x.size(1), half = cos.size(1), seqlen_ro = cos.size(0);
   TORCH_CHECK(2 * half <= x.size(3), "attention_ext: rotary_dim ", 2 * half, " (twice rotary_cos's ", half,
               " columns) exceeds the head dim ", x.size(3));
-  TORCH_CHECK(start.scalar_type() == at::kInt && start.dim() == 1 && start.size(0) == batch,
-              "attention_ext: the rotary start positions must be int32 of shape (", batch, ",), got ",
-              start.scalar_type(), " of shape ", start.sizes());
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{x, "x"}, {cos, "rotary_cos"},
-                                {sin, "rotary_sin"}, {start, "the start positions"}})
+                                {sin, "rotary_sin"}})
     TORCH_CHECK(t.device().is_cpu(), "attention_ext: the rotary op takes CPU tensors (flash_attn_with_kvcache ",
                 "rotates with torch ops on other devices), got ", name, " on ", t.device());
-  const at::Tensor start_host = start.to(at::kLong).contiguous();
-  const int64_t* first = start_host.data_ptr<int64_t>();
+  const std::vector<int64_t> first = read_per_entry(start, "the rotary start positions", batch, x);
   // The position of each (entry, row), or of each entry when all its rows share one.
   std::vector<int64_t> positions;
   positions.reserve(per_row ? batch * rows : batch);
