@@ -348,6 +348,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out = q.new_empty((0, seqlen_q, heads, v_cache.shape[-1]))
         return (out, q.new_empty((0, heads, seqlen_q), dtype=lse_dtype(q.dtype))) if return_softmax_lse else out
 
+    # On CPU tensors the rotary and the append are ops of their own; under vmap and the other
+    # functorch transforms (the ops have no batching rules) and on other devices, torch ops.
+    cpu_ops = device.type == "cpu" and not torch._C._are_functorch_transforms_active()
     starts = positions = None  # (computed once for the rotary and the append that need them)
     if rotary_cos is not None or rotary_sin is not None:
         if rotary_cos is None or rotary_sin is None or k is None:
@@ -367,11 +370,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                    [max(lengths) + (seqlen_q - 1 if local else 0) if seqlen_q else -1])
         if last >= rotary_cos.shape[0]:
             _fail(ValueError, f"position {last} is beyond the rotary tables' {rotary_cos.shape[0]} positions")
-        if device.type == "cpu" and not torch._C._are_functorch_transforms_active() and \
-                rotary_cos.dtype in FLOAT_DTYPES and rotary_sin.dtype in FLOAT_DTYPES:
-            # One op per tensor (rotary.h), the formula's bits; under vmap and the other functorch
-            # transforms (the op has no batching rule), for tables in other float dtypes (float8)
-            # and on other devices, the torch ops below.
+        if cpu_ops and rotary_cos.dtype in FLOAT_DTYPES and rotary_sin.dtype in FLOAT_DTYPES:
+            # One op per tensor (rotary.h), the formula's bits; tables in other float dtypes
+            # (float8) take the torch ops below.
             starts = _starts(cache_seqlens, lengths)
             k = ops.attention_rotary(k, rotary_cos, rotary_sin, starts, True, rotary_interleaved)
             q = ops.attention_rotary(q, rotary_cos, rotary_sin, starts, local, rotary_interleaved)
@@ -398,9 +399,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 _fail(RuntimeError, f"{name} is an inference tensor (made under torch.inference_mode()): appending to "
                                     "it in place works only under inference_mode too, as torch's in-place updates "
                                     "(or pass a clone)")
-        # Row copies on CPU caches, no index tensors to build; under vmap and the other functorch
-        # transforms index_put_, which has their batching rules (the op has none).
-        if device.type == "cpu" and not torch._C._are_functorch_transforms_active():
+        # Row copies on CPU caches, no index tensors to build; elsewhere index_put_ (which has the
+        # functorch transforms' batching rules).
+        if cpu_ops:
             if starts is None:
                 starts = _starts(cache_seqlens, lengths)
             ops.attention_kvcache_append(k_cache, v_cache, k, v, starts, cache_batch_idx, block_table)
