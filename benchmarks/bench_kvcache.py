@@ -155,12 +155,11 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     a = ap.parse_args(argv)
     bw_start = bench.measure_bandwidth()["gbps"]
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"  # (torch's CPU allocator asks for huge pages)
     meta = {"cpu": bench.cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "variant": attention_ext.cpu_variant(),
-            # torch's CPU allocator asks for transparent huge pages for large tensors when set
-            "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
-            "command": ("THP_MEM_ALLOC_ENABLE=1 " if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else "") +
-            "python benchmarks/bench_kvcache.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+            "variant": attention_ext.cpu_variant(), "thp_mem_alloc": thp,
+            "command": ("THP_MEM_ALLOC_ENABLE=1 " if thp else "") + "python benchmarks/bench_kvcache.py " +
+            " ".join(argv if argv is not None else sys.argv[1:])}
     print(f"{meta['cpu']}: streaming read {bw_start:.1f} GB/s on {meta['threads']} threads", flush=True)
     rows, append_rows = [], []
     for dtype_name in a.dtypes.split(","):
