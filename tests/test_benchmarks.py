@@ -273,3 +273,17 @@ def test_bf16_dot_throughput_micro_benchmark_builds_and_reports(tmp_path):
     assert amx.startswith("n/a: ") or float(amx) > 0
     if "amx_bf16" in cpuinfo().get("flags", "").split():
         assert not amx.startswith("n/a: no AMX"), lines[4]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_exp2_throughput_micro_benchmark_builds_and_reports(tmp_path):
+    lines = _build_and_run_micro_benchmark(tmp_path, "exp2_throughput", ["-O2"], "2000")
+    if len(lines) == 1 and lines[0].endswith("nothing to time"):
+        pytest.skip(lines[0])
+    assert lines[0].startswith("one thread, ns per vector") and lines[1].split()[0] == "form"
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
+    assert set(rows) == {"round", "reduce", "floor"}
+    assert all(float(row[0]) > 0 for row in rows.values())
+    # the kernels' form (reduce) gives the previous form's bits; the floor form does not
+    assert rows["round"][3] == "yes" and rows["reduce"][3] == "yes" and rows["floor"][3] == "no"
+    assert float(rows["reduce"][2]) < 1.0 < float(rows["floor"][2]) < 1.5
