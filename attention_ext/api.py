@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -456,11 +456,21 @@ def _float32_mask_inputs(query, key, value, attn_mask):
     return query, key, value, None
 
 
-def _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa):
-    """The checks and normalisation attention and attention_weights share. Returns (query, key,
-    value, attn_mask, scale, dropout_p, heads, result_dtype): with enable_gqa the query heads are
-    split into (kv heads, groups) and heads is the count to merge back, else None; result_dtype
-    the dtype to return results in when the call runs in float32 for a float32 mask, else None."""
+class _Prepared(NamedTuple):
+    """A call's checked and normalised arguments, as the ops take them (_prepare)."""
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: Optional[torch.Tensor]
+    scale: float
+    dropout_p: float
+    batch: torch.Size  # the broadcast batch dims of query, key and value
+    heads: Optional[int]  # with enable_gqa: the query heads, split into (kv heads, groups), to merge back
+    result_dtype: Optional[torch.dtype]  # the dtype to return in where the call runs in float32 for a float32 mask
+
+
+def _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa) -> _Prepared:
+    """The checks and normalisation attention, attention_weights and the context-parallel calls share."""
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     query, key, value, result_dtype = _float32_mask_inputs(query, key, value, attn_mask)
     _check_qkv(query, key, value)
@@ -472,19 +482,18 @@ def _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa):
         query, key, value, attn_mask, heads = _apply_gqa(query, key, value, attn_mask)
     batch = _broadcast_batch(query, key, value)
     attn_mask = _check_mask(attn_mask, query, batch, query.shape[-2], key.shape[-2])
-    return query, key, value, attn_mask, scale, dropout_p, heads, result_dtype
+    return _Prepared(query, key, value, attn_mask, scale, dropout_p, batch, heads, result_dtype)
 
 
-def _fold_batch_dims(query, key, value, attn_mask, alibi_slopes, sinks):
+def _fold_batch_dims(call: _Prepared, alibi_slopes, sinks):
     """torch takes any number of batch dims, the kernels at most _MAX_BATCH_DIMS: beyond that the
     leading ones are merged into one (each tensor expanded to their broadcast sizes first, so one
     broadcast along them is copied; differentiable), in row-major order, which dropout's batch
     index keeps. Per-head tensors (alibi_slopes, sinks) are merged alike where they reach into
-    those dims. Returns (query, key, value, attn_mask, alibi_slopes, sinks, the merged dims' sizes
-    or None)."""
-    batch = _broadcast_batch(query, key, value)
+    those dims. Returns (call, alibi_slopes, sinks, the merged dims' sizes or None)."""
+    batch = call.batch
     if len(batch) <= _MAX_BATCH_DIMS:
-        return query, key, value, attn_mask, alibi_slopes, sinks, None
+        return call, alibi_slopes, sinks, None
     lead = tuple(batch[:len(batch) - _MAX_BATCH_DIMS + 1])
 
     def fold(t, trailing):
@@ -493,41 +502,50 @@ def _fold_batch_dims(query, key, value, attn_mask, alibi_slopes, sinks):
         t = t.reshape((1,) * (len(batch) + trailing - t.dim()) + tuple(t.shape))  # (a view: leading 1s)
         return t.expand(*lead, *t.shape[len(lead):]).flatten(0, len(lead) - 1)
 
-    return (fold(query, 2), fold(key, 2), fold(value, 2), fold(attn_mask, 2), fold(alibi_slopes, 0),
-            fold(sinks, 0), lead)
+    folded_batch = torch.Size((math.prod(lead), *batch[len(lead):]))
+    call = call._replace(query=fold(call.query, 2), key=fold(call.key, 2), value=fold(call.value, 2),
+                         attn_mask=fold(call.attn_mask, 2), batch=folded_batch)
+    return call, fold(alibi_slopes, 0), fold(sinks, 0), lead
 
 
-def _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads):
+def _logit_args(call: _Prepared, causal, window, softcap, alibi_slopes, sinks):
     """The ops' logit arguments (causal code, window_left, window_right, softcap, alibi_slopes,
-    sinks), checked against the prepared (GQA-split) query, key and value; the checks attention
-    and attention_weights share after _prepare."""
-    band_rules(enforce, CAUSAL_CODES[causal], *window, query.shape[-2], key.shape[-2])
+    sinks), checked against the prepared (GQA-split, folded) call; the checks attention and
+    attention_weights share after _prepare."""
+    query = call.query
+    band_rules(enforce, CAUSAL_CODES[causal], *window, query.shape[-2], call.key.shape[-2])
     softcap_rules(enforce, softcap, query.dtype)
-    batch = _broadcast_batch(query, key, value)
-    return (CAUSAL_CODES[causal], *window, softcap, _check_per_head(alibi_slopes, "alibi_slopes", query, batch, heads),
-            _check_per_head(sinks, "sinks", query, batch, heads))
+    return (CAUSAL_CODES[causal], *window, softcap,
+            _check_per_head(alibi_slopes, "alibi_slopes", query, call.batch, call.heads),
+            _check_per_head(sinks, "sinks", query, call.batch, call.heads))
+
+
+def _prepare_call(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, window, softcap, alibi_slopes,
+                  sinks):
+    """_prepare, _fold_batch_dims and _logit_args in order. Returns (call, logit args, lead)."""
+    call = _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa)
+    call, alibi_slopes, sinks, lead = _fold_batch_dims(call, alibi_slopes, sinks)
+    return call, _logit_args(call, causal, window, softcap, alibi_slopes, sinks), lead
 
 
 def _run(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, window=(-1, -1), softcap=0.0,
          alibi_slopes=None, sinks=None):
-    query, key, value, attn_mask, scale, dropout_p, heads, result_dtype = _prepare(
-        query, key, value, attn_mask, scale, dropout_p, enable_gqa)
-    query, key, value, attn_mask, alibi_slopes, sinks, lead = _fold_batch_dims(query, key, value, attn_mask,
-                                                                                alibi_slopes, sinks)
-    logit = _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads)
+    call, logit, lead = _prepare_call(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, window,
+                                      softcap, alibi_slopes, sinks)
+    query, key, value, attn_mask = call.query, call.key, call.value, call.attn_mask
     # The kernels own dK/dV per key position, so K and V must broadcast alike: expand (a view).
     if key.shape[:-2] != value.shape[:-2]:
         kv_batch = _broadcast_shapes(key.shape[:-2], value.shape[:-2])
         key = key.expand(*kv_batch, *key.shape[-2:])
         value = value.expand(*kv_batch, *value.shape[-2:])
-    dropout_p, rng_state, all_dropped = _dropout_plan(dropout_p, query.device)
-    args = (query, key, value, attn_mask, scale, *logit, dropout_p, rng_state)
+    dropout_p, rng_state, all_dropped = _dropout_plan(call.dropout_p, query.device)
+    args = (query, key, value, attn_mask, call.scale, *logit, dropout_p, rng_state)
     out, lse = _call(ops.attention_fwd, AttentionFunction, args, query, key, value, attn_mask, logit[-1])
-    if heads is not None:
+    if call.heads is not None:
         out = out.flatten(-4, -3)
         lse = lse.flatten(-3, -2)
-    if result_dtype is not None:
-        out = out.to(result_dtype)  # (lse is float32 for float16 / bfloat16 inputs too)
+    if call.result_dtype is not None:
+        out = out.to(call.result_dtype)  # (lse is float32 for float16 / bfloat16 inputs too)
     if lead is not None:
         out, lse = out.unflatten(0, lead), lse.unflatten(0, lead)
     return (_all_dropped(out) if all_dropped else out), lse
@@ -602,18 +620,16 @@ def attention_weights(query, key, *, attn_mask=None, causal: Optional[str] = Non
     _check_tensor(key, "key")
     # The shared checks, with a value of no columns.
     value = key.new_empty((*key.shape[:-1], 0))
-    query, key, value, attn_mask, scale, _, heads, result_dtype = _prepare(query, key, value, attn_mask, scale, 0.0,
-                                                                           enable_gqa)
-    query, key, value, attn_mask, alibi_slopes, sinks, lead = _fold_batch_dims(query, key, value, attn_mask,
-                                                                                alibi_slopes, sinks)
-    logit = _logit_args(causal, window, softcap, alibi_slopes, sinks, query, key, value, heads)
-    args = (query, key, attn_mask, scale, *logit)
+    call, logit, lead = _prepare_call(query, key, value, attn_mask, causal, scale, 0.0, enable_gqa, window, softcap,
+                                      alibi_slopes, sinks)
+    query, key, attn_mask = call.query, call.key, call.attn_mask
+    args = (query, key, attn_mask, call.scale, *logit)
     w = _call(ops.attention_probs, AttentionWeightsFunction, args, query, key, attn_mask, logit[-1])
-    if heads is not None:
+    if call.heads is not None:
         w = w.flatten(-4, -3)
     if lead is not None:
         w = w.unflatten(0, lead)
-    return w if result_dtype is None else w.to(result_dtype)
+    return w if call.result_dtype is None else w.to(call.result_dtype)
 
 
 def dropout_mask(rng_state: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:

@@ -194,7 +194,8 @@ def context_parallel_attention(query, key, value, *, group=None, layout: str = "
         _check_causal(causal)
         if not isinstance(return_lse, bool):
             raise TypeError(f"attention_ext: return_lse must be a bool, got {type(return_lse).__name__}")
-        query_p, key_p, value_p, _, scale_p, _, heads, _ = _prepare(query, key, value, None, scale, 0.0, enable_gqa)
+        call = _prepare(query, key, value, None, scale, 0.0, enable_gqa)
+        query_p, key_p, value_p, scale_p, heads = call.query, call.key, call.value, call.scale, call.heads
         if key_p.shape[:-2] != value_p.shape[:-2]:
             raise ValueError(f"attention_ext: context_parallel_attention needs key {tuple(key.shape)} and value "
                              f"{tuple(value.shape)} to have the same leading dims")
