@@ -178,11 +178,11 @@ def _check_softcap(softcap):
     return softcap
 
 
-def _check_per_head(values, name, query, batch, gqa_heads):
+def _check_per_head(values, name, query, batch):
     """alibi_slopes / sinks: a tensor of one value per head, any shape broadcasting to the batch dims
-    ((heads,), (batch, heads)); with enable_gqa's split of the query heads into (kv_heads, groups), a
-    per-query-head last dim splits alike. Slopes are constants (float32): a gradient into them is
-    refused rather than dropped. Sinks take any float dtype, converted (differentiably) to the lse's."""
+    ((heads,), (batch, heads)); with enable_gqa, already split by _split_gqa_heads. Slopes are
+    constants (float32): a gradient into them is refused rather than dropped. Sinks take any float
+    dtype, converted (differentiably) to the lse's."""
     if values is None:
         return None
     if not isinstance(values, torch.Tensor):
@@ -197,17 +197,22 @@ def _check_per_head(values, name, query, batch, gqa_heads):
             raise TypeError(f"attention_ext: sinks must be a floating tensor, got {values.dtype}")
         dtype = lse_dtype(query.dtype)
         values = values.to(dtype)
-    if gqa_heads is not None and values.dim() >= 1:
-        hk, groups = query.shape[-4], query.shape[-3]
-        if values.shape[-1] not in (gqa_heads, 1):  # (it would broadcast over the groups, not the heads)
-            raise ValueError(f"attention_ext: {name} must have one value per query head ({gqa_heads}) or a single "
-                             f"value in its last dim, got shape {tuple(values.shape)}")
-        if values.shape[-1] == gqa_heads:
-            values = values.unflatten(-1, (hk, groups))
-        elif values.shape[-1] == 1:
-            values = values.unsqueeze(-1)
     per_head_rules(enforce, values, name, dtype, query, batch)
     return values
+
+
+def _split_gqa_heads(values, name, call):
+    """With enable_gqa's split of the query heads into (kv_heads, groups), a per-query-head tensor
+    (alibi_slopes, sinks: last dim one per query head, or 1) splits alike, so that it lines up
+    with the split batch dims (before _fold_batch_dims merges any leading ones)."""
+    if call.heads is None or not isinstance(values, torch.Tensor) or values.dim() == 0:
+        return values
+    if values.shape[-1] not in (call.heads, 1):  # (it would broadcast over the groups, not the heads)
+        raise ValueError(f"attention_ext: {name} must have one value per query head ({call.heads}) or a single "
+                         f"value in its last dim, got shape {tuple(values.shape)}")
+    if values.shape[-1] == 1:
+        return values.unsqueeze(-1)
+    return values.unflatten(-1, (call.query.shape[-4], call.query.shape[-3]))
 
 
 def _causal_bias_kind(attn_mask):
@@ -291,10 +296,6 @@ def _apply_gqa(query, key, value, attn_mask):
     if hk == 0 or hq % hk != 0:
         raise ValueError(f"attention_ext: enable_gqa=True needs the query heads ({hq}) to be a multiple of the "
                          f"key/value heads ({hk})")
-    if hq != hk and query.dim() - 1 > _MAX_BATCH_DIMS:
-        raise ValueError(f"attention_ext: enable_gqa=True splits the heads dim in two (K/V heads, group), so it "
-                         f"takes at most {_MAX_BATCH_DIMS - 1} leading dims, got {query.dim() - 2} (query "
-                         f"{tuple(query.shape)}); reshape the leading dims together")
     if hq == hk:
         return query, key, value, attn_mask, None
     groups = hq // hk
@@ -516,14 +517,17 @@ def _logit_args(call: _Prepared, causal, window, softcap, alibi_slopes, sinks):
     band_rules(enforce, CAUSAL_CODES[causal], *window, query.shape[-2], call.key.shape[-2])
     softcap_rules(enforce, softcap, query.dtype)
     return (CAUSAL_CODES[causal], *window, softcap,
-            _check_per_head(alibi_slopes, "alibi_slopes", query, call.batch, call.heads),
-            _check_per_head(sinks, "sinks", query, call.batch, call.heads))
+            _check_per_head(alibi_slopes, "alibi_slopes", query, call.batch),
+            _check_per_head(sinks, "sinks", query, call.batch))
 
 
 def _prepare_call(query, key, value, attn_mask, causal, scale, dropout_p, enable_gqa, window, softcap, alibi_slopes,
                   sinks):
-    """_prepare, _fold_batch_dims and _logit_args in order. Returns (call, logit args, lead)."""
+    """_prepare, the per-head tensors' GQA split, _fold_batch_dims and _logit_args in order.
+    Returns (call, logit args, lead)."""
     call = _prepare(query, key, value, attn_mask, scale, dropout_p, enable_gqa)
+    alibi_slopes = _split_gqa_heads(alibi_slopes, "alibi_slopes", call)
+    sinks = _split_gqa_heads(sinks, "sinks", call)
     call, alibi_slopes, sinks, lead = _fold_batch_dims(call, alibi_slopes, sinks)
     return call, _logit_args(call, causal, window, softcap, alibi_slopes, sinks), lead
 

@@ -167,12 +167,6 @@ def test_nested_tensors_are_refused_with_a_pointer_to_the_variable_length_api(la
             call(nested, nested, nested)
 
 
-def test_gqa_with_every_leading_dim_in_use_says_why_it_does_not_fit():
-    q, kv = t(*[1] * 7, 4, 3, 8), t(*[1] * 7, 2, 3, 8)
-    with pytest.raises(ValueError, match=r"enable_gqa=True splits the heads dim in two .* at most 7 leading dims"):
-        sdpa(q, kv, kv, enable_gqa=True)
-
-
 @pytest.mark.parametrize("bound", [2 ** 62 + 1, 2 ** 70])
 def test_a_window_bound_beyond_2_to_the_62_is_a_value_error(bound):
     q = t(1, 2, 3, 8)

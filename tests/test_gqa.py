@@ -148,6 +148,36 @@ def test_gqa_with_equal_head_counts_equals_plain_attention():
     assert torch.equal(scaled_dot_product_attention(q, k, v, enable_gqa=True), scaled_dot_product_attention(q, k, v))
 
 
+def test_gqa_with_more_leading_dims_than_the_kernels_take():
+    """The split of the query heads into (kv heads, groups) adds a batch dim; with 8 leading dims
+    that is 10, past the kernels' 8: the leading ones are merged as for any call. Output, lse,
+    weights and gradients (gradcheck, incl. the sinks) equal the reference's on K/V repeated to
+    the query heads, with sinks and ALiBi slopes per query head that vary along a merged dim, and
+    a mask per query head; torch's own SDPA gives the same."""
+    lead = (2, 1, 1, 1, 1, 1, 1, 2)
+    q = rand(*lead, 4, 3, 2, requires_grad=True)
+    k = rand(*lead, 2, 5, 2, requires_grad=True)
+    v = rand(*lead, 2, 5, 3, requires_grad=True)
+    sinks = rand(2, *[1] * 7, 4, requires_grad=True)
+    slopes = torch.rand(2, *[1] * 7, 4)
+    mask = rand(4, 3, 5, requires_grad=True)
+    k_rep, v_rep = k.repeat_interleave(2, dim=-3), v.repeat_interleave(2, dim=-3)
+    kw = dict(causal="bottom_right", sinks=sinks, alibi_slopes=slopes)
+    out, lse = attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True, **kw)
+    ref_out, ref_lse, ref_w = attention_reference(q, k_rep, v_rep, mask, **kw)
+    assert out.shape == (*lead, 4, 3, 3) and lse.shape == (*lead, 4, 3)
+    assert_close(out, ref_out, 1e-12, "out")
+    assert_close(lse, ref_lse, 1e-12, "lse")
+    assert_close(attention_weights(q, k, attn_mask=mask, enable_gqa=True, **kw), ref_w, 1e-12, "weights")
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, m, s: attention(q, k, v, attn_mask=m, enable_gqa=True, sinks=s, alibi_slopes=slopes),
+        (q, k, v, mask, sinks))
+    sdpa = scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert_close(sdpa, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), 1e-12, "sdpa")
+    with pytest.raises(ValueError, match=r"sinks must have one value per query head \(4\)"):
+        attention(q, k, v, enable_gqa=True, sinks=rand(2, *[1] * 7, 2))
+
+
 # ----------------------------------------------------------------------------------------------
 # Validation.
 
