@@ -22,7 +22,8 @@ What differs, on purpose:
 
 window_size=(left, right) is FlashAttention's sliding window, bottom-right aligned: key j is
 visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1:
-unbounded); causal=True sets right to 0. The kernels skip the key tiles outside the window.
+unbounded; as in FlashAttention's C++, a side at least seqlen_k long — max_seqlen_k for varlen —
+is unbounded too); causal=True sets right to 0. The kernels skip the key tiles outside the window.
 
 softcap > 0 caps the scaled scores at softcap·tanh(t / softcap) (Gemma 2) and alibi_slopes
 (float32, (heads,) or (batch, heads)) adds -slope·|i + seqlen_k - seqlen_q - j|, both fused in every
@@ -97,6 +98,16 @@ def _band_from(causal, window_size):
     return ("bottom_right" if causal else None), (left, right)
 
 
+def _window_within(window, seqlen_k):
+    """FlashAttention's rule (its C++ entry points, and flash_attn_with_kvcache here): a window side
+    at least seqlen_k long (max_seqlen_k for varlen) bounds nothing, -1. (Only rows that see no key
+    at all under the literal bound differ: seqlen_q > seqlen_k, right >= seqlen_k.)"""
+    if not isinstance(seqlen_k, (int, torch.SymInt)) or isinstance(seqlen_k, bool):
+        return window  # (varlen_attention reports a bad max_seqlen_k)
+    left, right = window
+    return (-1 if left >= seqlen_k else left), (-1 if right >= seqlen_k else right)
+
+
 def _check_softcap(softcap):
     if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool):
         raise TypeError(f"attention_ext.flash: softcap must be a float, got {type(softcap).__name__}")
@@ -123,6 +134,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _check_layout(q, k, v)
     _check_alibi(alibi_slopes, q.shape[0], q.shape[2])
     causal_kind, window = _band_from(causal, window_size)
+    window = _window_within(window, k.shape[1])
     softcap = _check_softcap(softcap)
     deterministic = flag(deterministic, "deterministic", "attention_ext.flash: ", integers=True)
     return_attn_probs = flag(return_attn_probs, "return_attn_probs", "attention_ext.flash: ", integers=True)
@@ -132,7 +144,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     modifiers = dict(causal=causal_kind, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                      scale=softmax_scale, enable_gqa=gqa)
     out, lse = attention(qh, kh, vh, dropout_p=dropout_p, return_lse=True, **modifiers)
-    out = out.transpose(1, 2)
+    # (batch, seqlen_q, heads, head_dim_v) contiguous, as FlashAttention allocates it: model code
+    # views it as (batch, seqlen_q, heads·head_dim_v). (A copy of the output, ~1/64 of a d = 64
+    # forward's memory traffic and none of its arithmetic.)
+    out = out.transpose(1, 2).contiguous()
     if not return_attn_probs:
         return out
     probs = attention_weights(qh, kh, **modifiers)
@@ -184,6 +199,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise NotImplementedError("attention_ext.flash: a paged key/value cache (block_table) is not supported by "
                                   "flash_attn_varlen_func yet; pass contiguous packed k and v")
     causal_kind, window = _band_from(causal, window_size)
+    window = _window_within(window, max_seqlen_k)
     softcap = _check_softcap(softcap)
     deterministic = flag(deterministic, "deterministic", "attention_ext.flash: ", integers=True)
     return_attn_probs = flag(return_attn_probs, "return_attn_probs", "attention_ext.flash: ", integers=True)

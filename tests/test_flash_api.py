@@ -27,7 +27,8 @@ def reference(q, k, v, causal=False, scale=None, window_size=(-1, -1), softcap=0
     """float64, FlashAttention's definition written out: (out, lse) in its layouts. Query i sits at
     key i + sk - sq; window (left, right) keeps keys within left before and right after it (-1:
     no limit); causal sets right to 0. softcap: softcap·tanh(s / softcap) of the scaled score s;
-    alibi_slopes ((heads,) or (batch, heads)): -slope·|i + sk - sq - j| added after it."""
+    alibi_slopes ((heads,) or (batch, heads)): -slope·|i + sk - sq - j| added after it. A window
+    side at least sk long is no limit (FlashAttention's C++ clamps it to -1)."""
     q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -39,10 +40,11 @@ def reference(q, k, v, causal=False, scale=None, window_size=(-1, -1), softcap=0
         sq, sk = q.shape[-2], k.shape[-2]
         distance = (torch.arange(sq).unsqueeze(-1) + sk - sq - torch.arange(sk)).abs()
         s = s - alibi_slopes.double()[..., None, None] * distance
-    left, right = window_size
+    sq, sk = q.shape[-2], k.shape[-2]
+    # FlashAttention's C++ entry points: a side at least sk long bounds nothing
+    left, right = (-1 if w >= sk else w for w in window_size)
     if causal:
         right = 0
-    sq, sk = q.shape[-2], k.shape[-2]
     diagonal = torch.arange(sq).unsqueeze(-1) + sk - sq
     j = torch.arange(sk)
     if right >= 0:
@@ -166,6 +168,35 @@ def test_causal_is_window_minus_one_zero_and_no_window_is_minus_one_minus_one():
     torch.testing.assert_close(flash_attn_func(q, k, v, window_size=[-1, -1]), flash_attn_func(q, k, v))
     torch.testing.assert_close(flash_attn_func(q, k, v, causal=True, window_size=(-1, -1)),
                                flash_attn_func(q, k, v, causal=True))
+
+
+def test_a_window_side_at_least_seqlen_k_long_is_no_limit_as_in_flash_attentions_cpp():
+    """FlashAttention's mha_fwd / mha_varlen_fwd set a side >= seqlen_k (max_seqlen_k) to -1
+    before the kernels see it: with more queries than keys, right = seqlen_k keeps the first rows
+    (which the literal bound i + sk - sq + right would leave without keys), as the KV-cache call
+    (which clamps against the cache) does."""
+    q, k, v = make(1, 8, 3, 2, 2, 16, torch.float64)
+    unbounded = flash_attn_func(q, k, v)
+    for window in ((-1, 3), (3, -1), (5, 7)):
+        torch.testing.assert_close(flash_attn_func(q, k, v, window_size=window), unbounded)
+    assert not torch.equal(flash_attn_func(q, k, v, window_size=(-1, 2)), unbounded)  # (2 < 3: a bound)
+    cu_q, cu_k = torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
+    varlen = flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 8, 3, window_size=(-1, 3))
+    torch.testing.assert_close(varlen, unbounded[0])
+    cached = attention_ext.flash_attn_with_kvcache(q, k, v, cache_seqlens=3, window_size=(-1, 3))
+    torch.testing.assert_close(cached, unbounded)
+
+
+def test_out_is_contiguous_in_flash_attentions_layout():
+    """FlashAttention allocates out like q: (batch, seqlen_q, heads, head_dim) contiguous, which
+    model code views as (batch, seqlen_q, heads · head_dim)."""
+    q, k, v = make(2, 5, 7, 4, 2, 8, torch.float32)
+    outs = [flash_attn_func(q, k, v), flash_attn_func(q, k, v, return_attn_probs=True)[0],
+            flash_attn_kvpacked_func(q, torch.stack([k, k], dim=2)),
+            flash_attn_qkvpacked_func(torch.stack([q, q, q], dim=2))]
+    for out in outs:
+        assert out.shape == (2, 5, 4, 8) and out.is_contiguous()
+        assert out.view(2, 5, 32).shape == (2, 5, 32)
 
 
 def test_packed_forms_equal_the_unpacked_call():
