@@ -497,16 +497,20 @@ def _fold_batch_dims(call: _Prepared, alibi_slopes, sinks):
         return call, alibi_slopes, sinks, None
     lead = tuple(batch[:len(batch) - _MAX_BATCH_DIMS + 1])
 
-    def fold(t, trailing):
+    def fold(t, trailing, name):
         if not isinstance(t, torch.Tensor) or t.dim() - trailing <= len(batch) - len(lead):
             return t  # (None, or broadcasting against the kept dims only; bad ones are reported later)
         t = t.reshape((1,) * (len(batch) + trailing - t.dim()) + tuple(t.shape))  # (a view: leading 1s)
+        if any(size not in (1, want) for size, want in zip(t.shape[:len(lead)], lead)):
+            raise ValueError(f"attention_ext: {name} of shape {tuple(t.shape)} does not broadcast to the batch dims "
+                             f"{tuple(batch)}")
         return t.expand(*lead, *t.shape[len(lead):]).flatten(0, len(lead) - 1)
 
     folded_batch = torch.Size((math.prod(lead), *batch[len(lead):]))
-    call = call._replace(query=fold(call.query, 2), key=fold(call.key, 2), value=fold(call.value, 2),
-                         attn_mask=fold(call.attn_mask, 2), batch=folded_batch)
-    return call, fold(alibi_slopes, 0), fold(sinks, 0), lead
+    call = call._replace(query=fold(call.query, 2, "query"), key=fold(call.key, 2, "key"),
+                         value=fold(call.value, 2, "value"), attn_mask=fold(call.attn_mask, 2, "attn_mask"),
+                         batch=folded_batch)
+    return call, fold(alibi_slopes, 0, "alibi_slopes"), fold(sinks, 0, "sinks"), lead
 
 
 def _logit_args(call: _Prepared, causal, window, softcap, alibi_slopes, sinks):

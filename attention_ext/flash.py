@@ -102,8 +102,10 @@ def _window_within(window, seqlen_k):
     """FlashAttention's rule (its C++ entry points, and flash_attn_with_kvcache here): a window side
     at least seqlen_k long (max_seqlen_k for varlen) bounds nothing, -1. (Only rows that see no key
     at all under the literal bound differ: seqlen_q > seqlen_k, right >= seqlen_k.)"""
-    if not isinstance(seqlen_k, (int, torch.SymInt)) or isinstance(seqlen_k, bool):
+    if isinstance(seqlen_k, bool) or not isinstance(seqlen_k, (numbers.Integral, torch.SymInt)):
         return window  # (varlen_attention reports a bad max_seqlen_k)
+    if not isinstance(seqlen_k, torch.SymInt):
+        seqlen_k = int(seqlen_k)  # (numpy integers too)
     left, right = window
     return (-1 if left >= seqlen_k else left), (-1 if right >= seqlen_k else right)
 

@@ -266,6 +266,19 @@ def case_odd_zigzag_shard(rank, world):
     cp.context_parallel_attention(q, q, q, layout="zigzag")
 
 
+def case_gqa_past_the_kernels_batch_dims_then_a_valid_call(rank, world):
+    """enable_gqa's split makes 8 leading dims 9, past the kernels' 8 (attention() merges them, the
+    ring does not): refused on every rank before the ring starts, and the group still works."""
+    q, kv = torch.randn(*[1] * 7, 4, 8, 16), torch.randn(*[1] * 7, 2, 8, 16)
+    try:
+        cp.context_parallel_attention(q, kv, kv, enable_gqa=True)
+        message = None
+    except ValueError as e:
+        message = str(e)
+    x = torch.randn(2, 8, 16)
+    return message, tuple(cp.context_parallel_attention(x, x, x).shape)
+
+
 def case_grad_mode_differs(rank, world):
     """Rank 1 runs without autograd, the others record the call (and would wait for rank 1 in
     backward): refused on every rank before the ring starts."""
@@ -445,6 +458,12 @@ def test_a_process_outside_the_group_gets_an_error():
         g.close()
     assert results[:2] == [None, None]
     assert all("not a member of the group" in r for r in results[2:])
+
+
+def test_gqa_past_the_kernels_batch_dims_is_refused_on_every_rank_before_the_ring(pair):
+    for message, shape in pair.run(case_gqa_past_the_kernels_batch_dims_then_a_valid_call):
+        assert message is not None and "at most 8 leading dims, got 9" in message and "enable_gqa" in message
+        assert shape == (2, 8, 16)
 
 
 def test_ranks_that_disagree_fail_every_rank(pair):

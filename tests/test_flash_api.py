@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -181,8 +182,9 @@ def test_a_window_side_at_least_seqlen_k_long_is_no_limit_as_in_flash_attentions
         torch.testing.assert_close(flash_attn_func(q, k, v, window_size=window), unbounded)
     assert not torch.equal(flash_attn_func(q, k, v, window_size=(-1, 2)), unbounded)  # (2 < 3: a bound)
     cu_q, cu_k = torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
-    varlen = flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 8, 3, window_size=(-1, 3))
-    torch.testing.assert_close(varlen, unbounded[0])
+    for max_seqlen_k in (3, np.int64(3)):
+        varlen = flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 8, max_seqlen_k, window_size=(-1, 3))
+        torch.testing.assert_close(varlen, unbounded[0])
     cached = attention_ext.flash_attn_with_kvcache(q, k, v, cache_seqlens=3, window_size=(-1, 3))
     torch.testing.assert_close(cached, unbounded)
 

@@ -176,6 +176,8 @@ def test_gqa_with_more_leading_dims_than_the_kernels_take():
     assert_close(sdpa, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), 1e-12, "sdpa")
     with pytest.raises(ValueError, match=r"sinks must have one value per query head \(4\)"):
         attention(q, k, v, enable_gqa=True, sinks=rand(2, *[1] * 7, 2))
+    with pytest.raises(ValueError, match=r"sinks of shape \(3, 1, .*\) does not broadcast to the batch dims"):
+        attention(q, k, v, enable_gqa=True, sinks=rand(3, *[1] * 7, 4))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..api import _check_causal, _prepare
+from ..api import _MAX_BATCH_DIMS, _check_causal, _prepare
 from ..function import first_order_backward
 from . import _ring
 from ._layout import LAYOUTS, check_divisible, check_layout, chunks
@@ -196,6 +196,12 @@ def context_parallel_attention(query, key, value, *, group=None, layout: str = "
             raise TypeError(f"attention_ext: return_lse must be a bool, got {type(return_lse).__name__}")
         call = _prepare(query, key, value, None, scale, 0.0, enable_gqa)
         query_p, key_p, value_p, scale_p, heads = call.query, call.key, call.value, call.scale, call.heads
+        if len(call.batch) > _MAX_BATCH_DIMS:  # (attention() merges them; the ring's blocks do not)
+            split = " (enable_gqa's split of the heads into (kv heads, groups) counts as one more)" \
+                if heads is not None else ""
+            raise ValueError(f"attention_ext: context_parallel_attention takes at most {_MAX_BATCH_DIMS} leading "
+                             f"dims, got {len(call.batch)}{split}: query {tuple(query.shape)}; reshape the leading "
+                             "dims together")
         if key_p.shape[:-2] != value_p.shape[:-2]:
             raise ValueError(f"attention_ext: context_parallel_attention needs key {tuple(key.shape)} and value "
                              f"{tuple(value.shape)} to have the same leading dims")
