@@ -100,8 +100,9 @@ def _band_from(causal, window_size):
 
 def _window_within(window, seqlen_k):
     """FlashAttention's rule (its C++ entry points, and flash_attn_with_kvcache here): a window side
-    at least seqlen_k long (max_seqlen_k for varlen) bounds nothing, -1. (Only rows that see no key
-    at all under the literal bound differ: seqlen_q > seqlen_k, right >= seqlen_k.)"""
+    at least seqlen_k long (max_seqlen_k for varlen) bounds nothing, -1. (Only the right side can
+    matter, and only with seqlen_q > seqlen_k: the first rows, which the literal bound
+    i + seqlen_k - seqlen_q + right cuts short, see every key.)"""
     if isinstance(seqlen_k, bool) or not isinstance(seqlen_k, (numbers.Integral, torch.SymInt)):
         return window  # (varlen_attention reports a bad max_seqlen_k)
     if not isinstance(seqlen_k, torch.SymInt):

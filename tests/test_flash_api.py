@@ -173,9 +173,9 @@ def test_causal_is_window_minus_one_zero_and_no_window_is_minus_one_minus_one():
 
 def test_a_window_side_at_least_seqlen_k_long_is_no_limit_as_in_flash_attentions_cpp():
     """FlashAttention's mha_fwd / mha_varlen_fwd set a side >= seqlen_k (max_seqlen_k) to -1
-    before the kernels see it: with more queries than keys, right = seqlen_k keeps the first rows
-    (which the literal bound i + sk - sq + right would leave without keys), as the KV-cache call
-    (which clamps against the cache) does."""
+    before the kernels see it: with more queries than keys, right = seqlen_k lets the first rows see
+    every key (the literal bound i + sk - sq + right leaves rows 0-1 none and row 2 one), as the
+    KV-cache call (which clamps against the cache) does."""
     q, k, v = make(1, 8, 3, 2, 2, 16, torch.float64)
     unbounded = flash_attn_func(q, k, v)
     for window in ((-1, 3), (3, -1), (5, 7)):
