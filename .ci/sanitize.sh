@@ -46,7 +46,9 @@ status=0
 # Two pytest workers (pytest-xdist): much of the suite is single-threaded Python and ASan-slowed
 # bookkeeping, which one process leaves the second core idle for. Each worker keeps the default
 # thread count, so the kernels' parallel paths run instrumented too.
-LD_PRELOAD="$asan:$ubsan" python -m pytest tests -q -x -p no:cacheprovider "${workers[@]}" "$@" \
+# (No -x: with it, a crashed xdist worker left the run waiting forever instead of ending with
+# "worker crashed while running <test>".)
+LD_PRELOAD="$asan:$ubsan" python -m pytest tests -q -p no:cacheprovider "${workers[@]}" "$@" \
   > pytest.log 2>&1 || status=$?
 tail -15 pytest.log
 # (The files also collect harmless warnings, e.g. "failed to allocate" for the fuzzed sizes.)
