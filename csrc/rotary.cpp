@@ -7,6 +7,7 @@
 #include "rotary.h"
 
 #include "kv_cache.h"
+#include "rounding_barrier.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -19,19 +20,11 @@
 namespace attention_ext {
 namespace {
 
-// v as computed, hidden from the optimiser: a product passed through it cannot be fused with the
-// sum that follows into one multiply-add (the build allows contraction, and the formula's torch
-// ops round each product).
+// v as computed, rounded on its own (rounding_barrier.h): the formula's torch ops round each
+// product before the sum.
 template <typename A>
 inline A rounded(A v) {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-  asm("" : "+x"(v));
-#elif defined(__GNUC__) && defined(__aarch64__)
-  asm("" : "+w"(v));
-#else
-  volatile A stored = v;  // (elsewhere: through memory, which no contraction crosses)
-  v = stored;
-#endif
+  ATTN_ROUNDING_BARRIER(v);
   return v;
 }
 

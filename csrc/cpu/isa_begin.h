@@ -23,6 +23,7 @@
 
 #include "../attention_semantics.h"
 #include "../philox.h"
+#include "../rounding_barrier.h"
 #include "kernel_table.h"
 #include "scratch_arena.h"
 
