@@ -47,9 +47,14 @@ status=0
 # bookkeeping, which one process leaves the second core idle for. Each worker keeps the default
 # thread count, so the kernels' parallel paths run instrumented too.
 # (No -x: with it, a crashed xdist worker left the run waiting forever instead of ending with
-# "worker crashed while running <test>".)
-LD_PRELOAD="$asan:$ubsan" python -m pytest tests -q -p no:cacheprovider "${workers[@]}" "$@" \
-  > pytest.log 2>&1 || status=$?
+# "worker crashed while running <test>". Under --dist loadgroup a crashed worker can still leave
+# the controller waiting for its replacement's tests, so the run has a deadline: it takes about
+# 15 minutes, and a hang fails the job with the log instead of using up the CI's time.)
+# --capture=sys: pytest captures the tests' Python output only, so what the sanitizers' runtimes
+# write to file descriptor 2 reaches pytest.log. (UBSan's reports did not go to log_path here:
+# with fd capture, a UBSan halt was a worker that exited with status 1 and no word said why.)
+LD_PRELOAD="$asan:$ubsan" timeout -k 60 "${ATTENTION_EXT_SANITIZE_TIMEOUT:-2700}" python -m pytest tests -q -p no:cacheprovider \
+  --capture=sys "${workers[@]}" "$@" > pytest.log 2>&1 || status=$?
 tail -15 pytest.log
 # (The files also collect harmless warnings, e.g. "failed to allocate" for the fuzzed sizes.)
 reports=$(grep -lE "ERROR: AddressSanitizer|runtime error:" "$work"/sanitizer.* 2>/dev/null || true)
@@ -57,5 +62,10 @@ if [ -n "$reports" ]; then
   echo "sanitizer report(s):"; for f in $reports; do head -60 "$f"; done
   exit 1
 fi
+if grep -qE "ERROR: AddressSanitizer|runtime error:" pytest.log; then
+  echo "sanitizer report(s) in the test log:"; grep -E -A40 "ERROR: AddressSanitizer|runtime error:" pytest.log | head -120
+  exit 1
+fi
+[ "$status" != 124 ] || echo "the test suite under the sanitizers did not finish in ${ATTENTION_EXT_SANITIZE_TIMEOUT:-2700} s"
 [ "$status" = 0 ] || { echo "the test suite under the sanitizers failed (exit $status); the end of its log:"; tail -60 pytest.log; }
 exit "$status"

@@ -99,24 +99,29 @@ def test_stride_zero_expanded_inputs():
     assert_close_to_reference(out, attention_reference(q, k, v)[0], torch.float32)
 
 
-def test_empty_sizes():
-    f32 = dict(dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [3, 70], ids=["decode", "tiled"])
+def test_empty_sizes(cpu_variant, dtype, rows):
+    """Every variant's kernels, decode and tiled, in every dtype: a zero size anywhere gives the
+    defined result (an empty tensor's data pointer may be null: no kernel may hand it to memcpy)."""
+    t = dict(dtype=dtype)
     # n = 0: empty output
-    out = attention_ext.scaled_dot_product_attention(rand(2, 0, 4, **f32), rand(2, 5, 4, **f32), rand(2, 5, 3, **f32))
+    out = attention_ext.scaled_dot_product_attention(rand(2, 0, 4, **t), rand(2, 5, 4, **t), rand(2, 5, 3, **t))
     assert out.shape == (2, 0, 3)
     # m = 0: zeros, lse -inf
-    out, lse = attention_ext.attention(rand(2, 3, 4, **f32), rand(2, 0, 4, **f32), rand(2, 0, 3, **f32), return_lse=True)
-    assert out.shape == (2, 3, 3) and torch.equal(out, torch.zeros_like(out))
+    out, lse = attention_ext.attention(rand(2, rows, 4, **t), rand(2, 0, 4, **t), rand(2, 0, 3, **t), return_lse=True)
+    assert out.shape == (2, rows, 3) and torch.equal(out, torch.zeros_like(out))
     assert torch.isneginf(lse).all()
     # zero batch
-    out = attention_ext.scaled_dot_product_attention(rand(0, 2, 3, 4, **f32), rand(0, 2, 5, 4, **f32), rand(0, 2, 5, 3, **f32))
-    assert out.shape == (0, 2, 3, 3)
-    # d_v = 0 and d_k = 0
-    assert attention_ext.scaled_dot_product_attention(rand(3, 4, **f32), rand(5, 4, **f32), rand(5, 0, **f32)).shape == (3, 0)
+    out = attention_ext.scaled_dot_product_attention(rand(0, 2, rows, 4, **t), rand(0, 2, 5, 4, **t),
+                                                     rand(0, 2, 5, 3, **t))
+    assert out.shape == (0, 2, rows, 3)
+    # d_v = 0
+    assert attention_ext.scaled_dot_product_attention(rand(rows, 4, **t), rand(5, 4, **t), rand(5, 0, **t)).shape == (rows, 0)
     # d_k = 0: every score is 0, so each row is the mean of the values
-    v = rand(5, 2, **f32)
-    out = attention_ext.scaled_dot_product_attention(rand(3, 0, **f32), rand(5, 0, **f32), v)
-    assert torch.allclose(out, v.mean(0, keepdim=True).expand(3, 2), atol=1e-6)
+    v = rand(5, 2, **t)
+    out = attention_ext.scaled_dot_product_attention(rand(rows, 0, **t), rand(5, 0, **t), v)
+    assert_close_to_reference(out, v.double().mean(0, keepdim=True).expand(rows, 2), dtype)
 
 
 def test_large_magnitudes_do_not_overflow():
