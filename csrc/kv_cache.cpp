@@ -281,6 +281,7 @@ void kv_cache_append(const at::Tensor& k_cache, const at::Tensor& v_cache, const
   for (const auto& [cache, src, offset] :
        {std::tuple<const at::Tensor&, const at::Tensor&, const std::vector<int64_t>&>{k_cache, k, k_offset},
         {v_cache, v, v_offset}}) {
+    if (src.size(3) == 0) continue;  // head dim 0: nothing to copy, and the data pointers may be null
     char* dst = static_cast<char*>(cache.data_ptr());
     const char* from = static_cast<const char*>(src.data_ptr());
     for (int64_t b = 0; b < batch; ++b)

@@ -275,6 +275,25 @@ def test_a_generate_loop_appending_one_token_at_a_time_equals_full_attention():
         torch.testing.assert_close(out[:, 0], full[:, t], rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("empty", ["k", "v"])
+def test_a_head_dim_of_zero_appends_and_attends(empty):
+    """d_k = 0 (every score 0: each row the mean of the visible values) or d_v = 0 (an empty
+    output): the append writes the other cache's rows and leaves the empty one alone (its data
+    pointer may be null, which the copy must never be handed)."""
+    g = torch.Generator().manual_seed(3)
+    dk, dv = (0, 8) if empty == "k" else (8, 0)
+    k_cache, v_cache = torch.zeros(2, 10, 2, dk), torch.zeros(2, 10, 2, dv)
+    q = torch.randn(2, 1, 4, dk, generator=g)
+    k, v = torch.randn(2, 3, 2, dk, generator=g), torch.randn(2, 3, 2, dv, generator=g)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([0, 4], dtype=torch.int32))
+    assert out.shape == (2, 1, 4, dv)
+    assert torch.equal(k_cache[0, :3], k[0]) and torch.equal(k_cache[1, 4:7], k[1])
+    assert torch.equal(v_cache[0, :3], v[0]) and torch.equal(v_cache[1, 4:7], v[1])
+    if empty == "k":  # entry 0 sees its 3 new keys, entry 1 the 4 zero rows before them too
+        want = torch.stack([v[0].mean(0), torch.cat([torch.zeros(4, 2, dv), v[1]]).mean(0)])
+        torch.testing.assert_close(out[:, 0], want.repeat_interleave(2, dim=1), rtol=1e-6, atol=1e-6)
+
+
 BAD = [
     (dict(cache_seqlens=48, new=4), ValueError, "overflows the cache's 50 positions"),
     (dict(cache_seqlens=torch.tensor([1, 2, 3])), TypeError, "cache_seqlens must be an int32 tensor of shape"),
