@@ -56,14 +56,13 @@ status=0
 LD_PRELOAD="$asan:$ubsan" timeout -k 60 "${ATTENTION_EXT_SANITIZE_TIMEOUT:-2700}" python -m pytest tests -q -p no:cacheprovider \
   --capture=sys "${workers[@]}" "$@" > pytest.log 2>&1 || status=$?
 tail -15 pytest.log
-# (The files also collect harmless warnings, e.g. "failed to allocate" for the fuzzed sizes.)
-reports=$(grep -lE "ERROR: AddressSanitizer|runtime error:" "$work"/sanitizer.* 2>/dev/null || true)
+# Reports are looked for in the runtimes' files and in pytest.log (what reached fd 2), each shown
+# from its first line on. (The files also collect harmless warnings, e.g. "failed to allocate" for
+# the fuzzed sizes.)
+report='ERROR: AddressSanitizer|runtime error:'
+reports=$(grep -lE "$report" "$work"/sanitizer.* pytest.log 2>/dev/null || true)
 if [ -n "$reports" ]; then
-  echo "sanitizer report(s):"; for f in $reports; do head -60 "$f"; done
-  exit 1
-fi
-if grep -qE "ERROR: AddressSanitizer|runtime error:" pytest.log; then
-  echo "sanitizer report(s) in the test log:"; grep -E -A40 "ERROR: AddressSanitizer|runtime error:" pytest.log | head -120
+  echo "sanitizer report(s):"; for f in $reports; do echo "== $f"; grep -E -A60 "$report" "$f" | head -80; done
   exit 1
 fi
 [ "$status" != 124 ] || echo "the test suite under the sanitizers did not finish in ${ATTENTION_EXT_SANITIZE_TIMEOUT:-2700} s"
