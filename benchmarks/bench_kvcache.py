@@ -34,7 +34,6 @@ from bench_window import publish, time_interleaved  # noqa: E402
 import attention_ext  # noqa: E402
 from attention_ext import flash_attn_with_kvcache  # noqa: E402
 
-HEADS_PER_KV = 4
 D = 64
 
 
@@ -52,9 +51,9 @@ def make_cache(batch, kv_heads, tokens, dtype, block_size, g):
     return kp, vp, table
 
 
-def run_config(dtype, tokens, batch, kv_heads, rows, reps, warmup):
+def run_config(dtype, tokens, batch, kv_heads, heads_per_kv, rows, reps, warmup):
     g = torch.Generator().manual_seed(0)
-    heads = kv_heads * HEADS_PER_KV
+    heads = kv_heads * heads_per_kv
     q = torch.randn(batch, rows, heads, D, generator=g).to(dtype)
     lengths = torch.full((batch,), tokens, dtype=torch.int32)
     caches = {name: make_cache(batch, kv_heads, tokens, dtype, bs, g)
@@ -83,9 +82,9 @@ def run_config(dtype, tokens, batch, kv_heads, rows, reps, warmup):
     return {name: {"ms": t * 1e3, "gbps": kv_bytes / t / 1e9} for name, t in med.items()}, kv_bytes
 
 
-def run_append(dtype, tokens, batch, kv_heads, reps, warmup):
+def run_append(dtype, tokens, batch, kv_heads, heads_per_kv, reps, warmup):
     g = torch.Generator().manual_seed(1)
-    heads = kv_heads * HEADS_PER_KV
+    heads = kv_heads * heads_per_kv
     q = torch.randn(batch, 1, heads, D, generator=g).to(dtype)
     k_new = torch.randn(batch, 1, kv_heads, D, generator=g).to(dtype)
     v_new = torch.randn(batch, 1, kv_heads, D, generator=g).to(dtype)
@@ -113,12 +112,13 @@ def run_append(dtype, tokens, batch, kv_heads, reps, warmup):
 
 
 def render(meta, rows, append_rows):
-    bw = meta["bandwidth_gbps"]
+    bw, group = meta["bandwidth_gbps"], meta.get("heads_per_kv", 4)
     lines = [f"# Decode against a KV cache, {meta['cpu']}", "",
              f"torch {meta['torch']}, {meta['threads']} threads, kernel variant {meta['variant']}; measured streaming "
              f"read bandwidth {bw:.1f} GB/s (same run: {meta['bandwidth_start_end'][0]:.1f} before the timings, "
-             f"{meta['bandwidth_start_end'][1]:.1f} after; the larger is used). Heads = {HEADS_PER_KV} x kv_heads "
-             f"(GQA), head dim {D}, causal. GB/s = K and V bytes read per call / time. Caches allocated "
+             f"{meta['bandwidth_start_end'][1]:.1f} after; the larger is used). Heads = {group} x kv_heads "
+             f"({'GQA' if group > 1 else 'one query head per KV head'}), head dim {D}, causal. GB/s = K and V bytes "
+             f"read per call / time. Caches allocated "
              f"{'with' if meta.get('thp_mem_alloc') else 'without'} torch's THP_MEM_ALLOC_ENABLE=1 (transparent huge "
              f"pages).", "",
              f"Command: `{meta['command']}`", "",
@@ -150,6 +150,8 @@ def main(argv=None):
     ap.add_argument("--batches", default="1x8,8x8", help="comma list of BATCHxKV_HEADS")
     ap.add_argument("--rows", default="1,4", help="query rows per entry (speculative decoding: several)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--heads-per-kv", type=int, default=4,
+                    help="query heads per KV head (GQA group size; 1: one query head per KV head)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
@@ -157,7 +159,7 @@ def main(argv=None):
     bw_start = bench.measure_bandwidth()["gbps"]
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"  # (torch's CPU allocator asks for huge pages)
     meta = {"cpu": bench.cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "variant": attention_ext.cpu_variant(), "thp_mem_alloc": thp,
+            "variant": attention_ext.cpu_variant(), "thp_mem_alloc": thp, "heads_per_kv": a.heads_per_kv,
             "command": ("THP_MEM_ALLOC_ENABLE=1 " if thp else "") + "python benchmarks/bench_kvcache.py " +
             " ".join(argv if argv is not None else sys.argv[1:])}
     print(f"{meta['cpu']}: streaming read {bw_start:.1f} GB/s on {meta['threads']} threads", flush=True)
@@ -168,13 +170,15 @@ def main(argv=None):
             for spec in a.batches.split(","):
                 batch, kv_heads = (int(x) for x in spec.split("x"))
                 for nrows in (int(r) for r in a.rows.split(",")):
-                    results, kv_bytes = run_config(dtype, tokens, batch, kv_heads, nrows, a.reps, a.warmup)
+                    results, kv_bytes = run_config(dtype, tokens, batch, kv_heads, a.heads_per_kv, nrows, a.reps,
+                                                     a.warmup)
                     rows.append({"dtype": dtype_name, "tokens": tokens, "batch": batch, "kv_heads": kv_heads,
                                  "rows": nrows, "kv_bytes": kv_bytes, "results": results})
                     print(f"{dtype_name} {tokens:6d} {batch}x{kv_heads} rows {nrows}: " + ", ".join(
                         f"{name} {res['gbps']:.1f} GB/s" for name, res in results.items()), flush=True)
                 append_rows.append({"dtype": dtype_name, "tokens": tokens, "batch": batch, "kv_heads": kv_heads,
-                                    "ms": run_append(dtype, tokens, batch, kv_heads, a.reps, a.warmup)})
+                                    "ms": run_append(dtype, tokens, batch, kv_heads, a.heads_per_kv, a.reps,
+                                                      a.warmup)})
     bw_end = bench.measure_bandwidth()["gbps"]
     meta["bandwidth_start_end"] = [bw_start, bw_end]
     meta["bandwidth_gbps"] = max(bw_start, bw_end)

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """The decode kernel's own work per key, with K and V held in cache.
 
-    OMP_NUM_THREADS=1 python benchmarks/decode_in_cache.py [--dtype float32] [--rows 1] [--tokens 256]
+    OMP_NUM_THREADS=1 python benchmarks/decode_in_cache.py [--dtype float32] [--rows 1] [--tokens 256] [--heads-per-kv 4]
 
 K and V of one cache of `tokens` keys x 8 KV heads x d = 64 are expanded (stride 0) over 512 batch
-entries while the queries (4 query heads per KV head, `rows` query rows each) are distinct, so the
-decode kernel runs its full loop over 512 x 8 x tokens (key, KV head) pairs while reading the
-same 1 MiB (fp32, 256 tokens) held in cache (L2 where a core has 1 MiB of it or more, else L2 and
+entries while the queries (--heads-per-kv query heads per KV head, 4 by default, `rows` query rows
+each) are distinct, so the decode kernel runs its full loop over 512 x 8 x tokens (key, KV head)
+pairs while reading the same 1 MiB (fp32, 256 tokens) held in cache (L2 where a core has 1 MiB of it or more, else L2 and
 L3: Zen 3's 512 KiB L2 per core keeps half of it there): what it costs per key when DRAM is not the
 limit.
 The cycle count uses the clock implied by the measured FMA peak (bench.measure_fma_peak on this
@@ -27,7 +27,7 @@ import bench  # noqa: E402
 
 import attention_ext  # noqa: E402
 
-BATCH, KV_HEADS, HEADS_PER_KV, D = 512, 8, 4, 64
+BATCH, KV_HEADS, D = 512, 8, 64
 
 
 def main(argv=None):
@@ -35,13 +35,14 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rows", type=int, default=1, help="query rows per head")
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--heads-per-kv", type=int, default=4, help="query heads per KV head (GQA group size)")
     ap.add_argument("--seconds", type=float, default=2.0)
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(1, KV_HEADS, a.tokens, D, generator=g).to(dtype).expand(BATCH, -1, -1, -1)
     v = torch.randn(1, KV_HEADS, a.tokens, D, generator=g).to(dtype).expand(BATCH, -1, -1, -1)
-    q = torch.randn(BATCH, KV_HEADS * HEADS_PER_KV, a.rows, D, generator=g).to(dtype)
+    q = torch.randn(BATCH, KV_HEADS * a.heads_per_kv, a.rows, D, generator=g).to(dtype)
     with torch.no_grad():
         for _ in range(3):
             attention_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -56,7 +57,7 @@ def main(argv=None):
     pairs = BATCH * KV_HEADS * a.tokens
     per_pair = best / pairs
     print(f"{bench.cpu_name()}, {torch.get_num_threads()} thread(s), {a.dtype}, {a.rows} query row(s) x "
-          f"{HEADS_PER_KV} heads per KV head, {a.tokens} tokens: {best * 1e3:.2f} ms, "
+          f"{a.heads_per_kv} heads per KV head, {a.tokens} tokens: {best * 1e3:.2f} ms, "
           f"{per_pair * 1e9:.2f} ns = {per_pair * ghz * 1e9:.0f} cycles per (key, KV head) at {ghz:.2f} GHz "
           f"(implied by the measured FMA peak, {peak['gflops']:.0f} GFLOP/s, assuming 2 FMA pipes)")
 
