@@ -25,7 +25,9 @@ checked first: a cache overflow (cache_seqlens + seqlen_new beyond the cache), a
 cache anywhere an entry reads or writes, or an expanded (stride-0) cache to append to raises before
 anything is written. A cache made under torch.inference_mode() takes appends only under it as well
 (torch refuses in-place updates of inference tensors outside it; FlashAttention writes through raw
-pointers and does not notice).
+pointers and does not notice; torch.compile cannot tell, so traced calls skip this check). Under
+torch.compile the call traces whole (fullgraph=True): the checks of per-entry tensors run in an op
+of their own when the graph runs, and the writes take their positions from its result.
 
 The CPU decode kernel reads a paged cache through its block table (calls of up to 8 query rows);
 longer calls, and the CUDA kernels, copy each entry's blocks into one contiguous tensor first.
@@ -122,21 +124,121 @@ def _enforce(holds, error, message):
         _fail(error, message())
 
 
-def _per_entry(t, name, batch, device):
-    """An optional int32 (batch,) argument, as a host list (None if not given)."""
+def _check_per_entry(t, name, batch, device):
+    """An optional int32 (batch,) argument: its dtype, shape and device (what tracing can check)."""
     if t is None:
-        return None
+        return
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
         got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         _fail(TypeError, f"{name} must be an int32 tensor of shape ({batch},), got {got}")
     _arguments.device_rule(_enforce, t, name, device, cpu_ok=True)
-    return t.tolist()
+
+
+def _entry_values(cache_seqlens, cache_batch_idx, cache_leftpad, batch, capacity):
+    """The per-entry arguments as host lists: (lengths, cache rows, leftpad). cache_seqlens may be a
+    tensor, an int, or None (every entry's cache full)."""
+    if cache_seqlens is None:
+        lengths = [capacity] * batch
+    elif isinstance(cache_seqlens, torch.Tensor):
+        lengths = cache_seqlens.tolist()
+    else:
+        lengths = [int(cache_seqlens)] * batch
+    rows = cache_batch_idx.tolist() if cache_batch_idx is not None else list(range(batch))
+    leftpad = cache_leftpad.tolist() if cache_leftpad is not None else [0] * batch
+    return lengths, rows, leftpad
+
+
+def _check_entries(lengths, rows, leftpad, block_table, cache_rows, block_size, new, capacity, batch_idx_given):
+    """Every position an entry writes or reads, from the per-entry values (_entry_values) before
+    anything is written: the cache's capacity, int32 ends, leftpad, cache rows and, paged
+    (block_table given; cache_rows are then its blocks of block_size slots), the block ids."""
+    paged = block_table is not None
+    for b in range(len(lengths)):
+        if lengths[b] < 0:
+            _fail(ValueError, f"cache_seqlens[{b}] = {lengths[b]} must be >= 0")
+        if lengths[b] + new > capacity:
+            _fail(ValueError, f"cache_seqlens[{b}] = {lengths[b]} plus {new} new keys overflows the cache's {capacity} "
+                              "positions")
+        if lengths[b] + new >= 2 ** 31:  # (the kernels take the ends as int32, as FlashAttention)
+            _fail(ValueError, f"cache_seqlens[{b}] = {lengths[b]} plus {new} new keys is beyond the int32 positions "
+                              "the kernels take")
+        if not 0 <= leftpad[b] <= lengths[b] + new:
+            _fail(ValueError, f"cache_leftpad[{b}] = {leftpad[b]} must be in [0, {lengths[b] + new}]")
+        if not paged and not 0 <= rows[b] < cache_rows:
+            if not batch_idx_given:
+                _fail(IndexError, f"q's batch of {len(lengths)} entries is larger than the cache's {cache_rows} rows: "
+                                  "pass cache_batch_idx to say which cache row each entry uses")
+            _fail(IndexError, f"cache_batch_idx[{b}] = {rows[b]} is outside the cache's {cache_rows} rows")
+
+    lowest, highest = torch.aminmax(block_table) if paged and block_table.numel() else (0, 0)
+    if paged and lengths and not (0 <= int(lowest) and int(highest) < cache_rows):
+        # Every block an entry reads or writes, [min(leftpad, length), length + new), must be in
+        # the cache: checked before anything is written (the op checks the ones it reads again).
+        # (Only when some entry of the table is out of range: the slots past an entry's blocks may
+        # hold anything, e.g. -1 as padding.)
+        on = block_table.device
+        first = torch.tensor([min(pad, length) // block_size for pad, length in zip(leftpad, lengths)], device=on)
+        stop = torch.tensor([-(-(length + new) // block_size) for length in lengths], device=on)
+        column = torch.arange(block_table.shape[1], device=on)
+        used = (column >= first[:, None]) & (column < stop[:, None])
+        bad = used & ((block_table < 0) | (block_table >= cache_rows))
+        if bool(bad.any()):
+            b, j = (int(i) for i in bad.nonzero()[0])
+            _fail(IndexError, f"block_table[{b}, {j}] = {int(block_table[b, j])} is outside the cache's {cache_rows} "
+                              f"blocks (entry {b} uses its blocks {int(first[b])}..{int(stop[b]) - 1})")
+
+
+def _check_rotary_reach(lengths, new, seqlen_q, local, table_rows):
+    """The last position rotary rotates (new keys at lengths[b], ...; q's rows there too when local,
+    else at lengths[b]) must be in the tables."""
+    if not lengths:
+        return
+    last = max([max(lengths) + new - 1 if new else -1] +
+               [max(lengths) + (seqlen_q - 1 if local else 0) if seqlen_q else -1])
+    if last >= table_rows:
+        _fail(ValueError, f"position {last} is beyond the rotary tables' {table_rows} positions")
+
+
+torch.library.define(
+    "attention_ext::kvcache_checked_ends",
+    "(Tensor? cache_seqlens, Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, int batch, "
+    "int fixed_length, int cache_rows, int block_size, int new, int capacity, int rotary_rows, int seqlen_q, "
+    "bool local) -> Tensor")
+
+
+@torch.library.impl("attention_ext::kvcache_checked_ends", "CompositeExplicitAutograd")
+def _checked_ends(cache_seqlens, cache_batch_idx, cache_leftpad, block_table, batch, fixed_length, cache_rows,
+                  block_size, new, capacity, rotary_rows, seqlen_q, local):
+    """Under torch.compile, the per-entry checks of an eager call (_check_entries, and
+    _check_rotary_reach for rotary_rows >= 0) run in this op, when the graph runs: the values are
+    data, unknown while tracing. Returns each entry's key end, lengths[b] + new, as int32 on the
+    CPU. fixed_length: every entry's length when cache_seqlens is not a tensor."""
+    seqlens = cache_seqlens if cache_seqlens is not None else fixed_length
+    lengths, rows, leftpad = _entry_values(seqlens, cache_batch_idx, cache_leftpad, batch, capacity)
+    _check_entries(lengths, rows, leftpad, block_table, cache_rows, block_size, new, capacity,
+                   cache_batch_idx is not None)
+    if rotary_rows >= 0:
+        _check_rotary_reach(lengths, new, seqlen_q, local, rotary_rows)
+    return torch.tensor([length + new for length in lengths], dtype=torch.int32)
+
+
+@torch.library.register_fake("attention_ext::kvcache_checked_ends")
+def _checked_ends_fake(cache_seqlens, cache_batch_idx, cache_leftpad, block_table, batch, fixed_length, cache_rows,
+                       block_size, new, capacity, rotary_rows, seqlen_q, local):
+    return torch.empty(batch, dtype=torch.int32, device="cpu")
 
 
 def _starts(cache_seqlens, lengths):
     """Where each entry's new keys go, as the CPU ops take it: cache_seqlens' int32 (batch,) tensor
     as given, or one built from the int."""
     return cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else torch.tensor(lengths, dtype=torch.int32)
+
+
+def _start_column(cache_seqlens, lengths, device):
+    """Where each entry's new keys go as an int64 (batch, 1) tensor on device (for index tensors)."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        return cache_seqlens.to(device=device, dtype=torch.int64).unsqueeze(-1)
+    return torch.tensor(lengths, device=device).unsqueeze(-1)
 
 
 def _rotation(cos, sin, positions, acc, interleaved):
@@ -291,47 +393,47 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cache_seqlens is None:
         if k is not None:
             _fail(ValueError, "appending k / v needs cache_seqlens (where each entry's new keys go)")
-        lengths = [capacity] * batch
-    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        lengths = [int(cache_seqlens)] * batch
+    elif not isinstance(cache_seqlens, numbers.Integral) or isinstance(cache_seqlens, bool):
+        _check_per_entry(cache_seqlens, "cache_seqlens", batch, device)
+    _check_per_entry(cache_batch_idx, "cache_batch_idx", batch, device)
+    _check_per_entry(cache_leftpad, "cache_leftpad", batch, device)
+    seqlens_given = isinstance(cache_seqlens, torch.Tensor)
+    rotary = rotary_cos is not None or rotary_sin is not None
+    # FlashAttention rotates q row by row only for a causal or windowed call.
+    local = causal or window_left >= 0 or window_right >= 0
+    if rotary:
+        if rotary_cos is None or rotary_sin is None or k is None:
+            _fail(ValueError, "rotary_cos and rotary_sin go together and only with new k / v to rotate")
+        for table, name in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
+            if not isinstance(table, torch.Tensor) or not table.is_floating_point() or table.device != device:
+                got = f"{table.dtype} on {table.device}" if isinstance(table, torch.Tensor) else type(table).__name__
+                _fail(TypeError, f"{name} must be a floating tensor on {device}, got {got}")
+        # (tables that require grad would record the rotation and the cache writes in a graph)
+        rotary_cos, rotary_sin = rotary_cos.detach(), rotary_sin.detach()
+        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or 2 * rotary_cos.shape[1] > q.shape[-1]:
+            _fail(ValueError, f"rotary_cos / rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
+                              f"head_dim ({q.shape[-1]}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+    # Every position an entry writes or reads, and the rotary tables' reach, before anything is
+    # written: from the per-entry values on the host in an eager call; under torch.compile, where
+    # those values are data, by an op that runs the same checks when the graph runs and returns the
+    # key ends (lengths stay unknown then when cache_seqlens is a tensor).
+    ends = None
+    if torch.compiler.is_compiling() and (seqlens_given or cache_batch_idx is not None or cache_leftpad is not None
+                                          or paged):
+        fixed_length = 0 if seqlens_given else capacity if cache_seqlens is None else int(cache_seqlens)
+        ends = ops.kvcache_checked_ends(cache_seqlens if seqlens_given else None, cache_batch_idx, cache_leftpad,
+                                        block_table, batch, fixed_length, k_cache.shape[0], k_cache.shape[1], new,
+                                        capacity, rotary_cos.shape[0] if rotary else -1, seqlen_q, local)
+        lengths = None if seqlens_given else [fixed_length] * batch
+        # The writes take their positions from the checks' result, so that a compiler cannot
+        # order them before the checks.
+        cache_seqlens = ends - new
     else:
-        lengths = _per_entry(cache_seqlens, "cache_seqlens", batch, device)
-    rows = _per_entry(cache_batch_idx, "cache_batch_idx", batch, device) or list(range(batch))
-    leftpad = _per_entry(cache_leftpad, "cache_leftpad", batch, device) or [0] * batch
-    for b in range(batch):
-        if lengths[b] < 0:
-            _fail(ValueError, f"cache_seqlens[{b}] = {lengths[b]} must be >= 0")
-        if lengths[b] + new > capacity:
-            _fail(ValueError, f"cache_seqlens[{b}] = {lengths[b]} plus {new} new keys overflows the cache's {capacity} "
-                              "positions")
-        if lengths[b] + new >= 2 ** 31:  # (the kernels take the ends as int32, as FlashAttention)
-            _fail(ValueError, f"cache_seqlens[{b}] = {lengths[b]} plus {new} new keys is beyond the int32 positions "
-                              "the kernels take")
-        if not 0 <= leftpad[b] <= lengths[b] + new:
-            _fail(ValueError, f"cache_leftpad[{b}] = {leftpad[b]} must be in [0, {lengths[b] + new}]")
-        if not paged and not 0 <= rows[b] < k_cache.shape[0]:
-            if cache_batch_idx is None:
-                _fail(IndexError, f"q's batch of {batch} entries is larger than the cache's {k_cache.shape[0]} rows: "
-                                  "pass cache_batch_idx to say which cache row each entry uses")
-            _fail(IndexError, f"cache_batch_idx[{b}] = {rows[b]} is outside the cache's {k_cache.shape[0]} rows")
-
-    lowest, highest = torch.aminmax(block_table) if paged and block_table.numel() else (0, 0)
-    if paged and batch > 0 and not (0 <= int(lowest) and int(highest) < k_cache.shape[0]):
-        # Every block an entry reads or writes, [min(leftpad, length), length + new), must be in
-        # the cache: checked before anything is written (the op checks the ones it reads again).
-        # (Only when some entry of the table is out of range: the slots past an entry's blocks may
-        # hold anything, e.g. -1 as padding.)
-        size, blocks = k_cache.shape[1], k_cache.shape[0]
-        on = block_table.device
-        first = torch.tensor([min(pad, length) // size for pad, length in zip(leftpad, lengths)], device=on)
-        stop = torch.tensor([-(-(length + new) // size) for length in lengths], device=on)
-        column = torch.arange(block_table.shape[1], device=on)
-        used = (column >= first[:, None]) & (column < stop[:, None])
-        bad = used & ((block_table < 0) | (block_table >= blocks))
-        if bool(bad.any()):
-            b, j = (int(i) for i in bad.nonzero()[0])
-            _fail(IndexError, f"block_table[{b}, {j}] = {int(block_table[b, j])} is outside the cache's {blocks} "
-                              f"blocks (entry {b} uses its blocks {int(first[b])}..{int(stop[b]) - 1})")
+        lengths, rows, leftpad = _entry_values(cache_seqlens, cache_batch_idx, cache_leftpad, batch, capacity)
+        _check_entries(lengths, rows, leftpad, block_table, k_cache.shape[0], k_cache.shape[1], new, capacity,
+                       cache_batch_idx is not None)
+        if rotary:
+            _check_rotary_reach(lengths, new, seqlen_q, local, rotary_cos.shape[0])
     # Every rule that can refuse the call, before anything is written (the op checks them again).
     _arguments.band_rules(_arguments.enforce, 2 if causal else 0, window_left, window_right, seqlen_q, capacity)
     if softcap != 0.0:  # (0.0, none, passes every rule)
@@ -352,24 +454,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # functorch transforms (the ops have no batching rules) and on other devices, torch ops.
     cpu_ops = device.type == "cpu" and not torch._C._are_functorch_transforms_active()
     starts = positions = None  # (computed once for the rotary and the append that need them)
-    if rotary_cos is not None or rotary_sin is not None:
-        if rotary_cos is None or rotary_sin is None or k is None:
-            _fail(ValueError, "rotary_cos and rotary_sin go together and only with new k / v to rotate")
-        for table, name in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
-            if not isinstance(table, torch.Tensor) or not table.is_floating_point() or table.device != device:
-                got = f"{table.dtype} on {table.device}" if isinstance(table, torch.Tensor) else type(table).__name__
-                _fail(TypeError, f"{name} must be a floating tensor on {device}, got {got}")
-        # (tables that require grad would record the rotation and the cache writes in a graph)
-        rotary_cos, rotary_sin = rotary_cos.detach(), rotary_sin.detach()
-        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or 2 * rotary_cos.shape[1] > q.shape[-1]:
-            _fail(ValueError, f"rotary_cos / rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
-                              f"head_dim ({q.shape[-1]}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-        # FlashAttention rotates q row by row only for a causal or windowed call.
-        local = causal or window_left >= 0 or window_right >= 0
-        last = max([max(lengths) + new - 1 if new else -1] +
-                   [max(lengths) + (seqlen_q - 1 if local else 0) if seqlen_q else -1])
-        if last >= rotary_cos.shape[0]:
-            _fail(ValueError, f"position {last} is beyond the rotary tables' {rotary_cos.shape[0]} positions")
+    if rotary:
         if cpu_ops and rotary_cos.dtype in FLOAT_DTYPES and rotary_sin.dtype in FLOAT_DTYPES:
             # One op per tensor (rotary.h), the formula's bits; tables in other float dtypes
             # (float8) take the torch ops below.
@@ -380,7 +465,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             acc = torch.float64 if q.dtype == torch.float64 else torch.float32
             # (batch, new) cache indices where each entry's new keys go, so (FlashAttention's rule)
             # the positions rotary rotates them and q at
-            start = torch.tensor(lengths, device=device).unsqueeze(-1)
+            start = _start_column(cache_seqlens, lengths, device)
             positions = start + torch.arange(new, device=device)
             rotation = _rotation(rotary_cos, rotary_sin, positions, acc, rotary_interleaved)
             if not (local and seqlen_q == new):  # (else q's positions are the new keys')
@@ -393,9 +478,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             q = _rotate(q, q_rotation, rotary_interleaved)
 
     if k is not None and new > 0:  # the append, in place (every position was checked above)
-        inference = torch.is_inference_mode_enabled()
+        # (torch.compile cannot ask whether a tensor is an inference tensor: traced calls skip this)
+        inference = torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
         for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-            if cache.is_inference() and not inference:
+            if not inference and cache.is_inference():
                 _fail(RuntimeError, f"{name} is an inference tensor (made under torch.inference_mode()): appending to "
                                     "it in place works only under inference_mode too, as torch's in-place updates "
                                     "(or pass a clone)")
@@ -405,17 +491,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if starts is None:
                 starts = _starts(cache_seqlens, lengths)
             ops.attention_kvcache_append(k_cache, v_cache, k, v, starts, cache_batch_idx, block_table)
-            for cache in (k_cache, v_cache):  # (as an in-place op: autograd notices a saved cache written since)
+            # (as an in-place op: autograd notices a saved cache written since; a traced graph's
+            # mutation of an input is torch.compile's to account for)
+            for cache in (k_cache, v_cache) if not torch.compiler.is_compiling() else ():
                 if not cache.is_inference():
                     torch.autograd.graph.increment_version(cache)
         else:
             if positions is None:
-                positions = torch.tensor(lengths, device=device).unsqueeze(-1) + torch.arange(new, device=device)
+                positions = _start_column(cache_seqlens, lengths, device) + torch.arange(new, device=device)
             if paged:
                 table = block_table.to(device=device, dtype=torch.int64)
                 index = (table.gather(1, positions // k_cache.shape[1]), positions % k_cache.shape[1])
             else:
-                index = (torch.tensor(rows, device=device).unsqueeze(-1).expand(batch, new), positions)
+                entry_rows = (cache_batch_idx.to(device=device, dtype=torch.int64) if cache_batch_idx is not None
+                              else torch.arange(batch, device=device))
+                index = (entry_rows.unsqueeze(-1).expand(batch, new), positions)
             k_cache.index_put_(index, k)
             v_cache.index_put_(index, v)
 
@@ -436,10 +526,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         kh, vh = _heads_first(k_cache), _heads_first(v_cache)
     # The per-entry tensors as given where they already are what the op takes (it reads them to
     # the host itself): the key ends are cache_seqlens unless new keys were appended.
-    if new == 0 and isinstance(cache_seqlens, torch.Tensor):
-        ends = cache_seqlens
-    else:
-        ends = torch.tensor([length + new for length in lengths], dtype=torch.int32)
+    if ends is None:  # (else the traced checks' op gave them)
+        if new == 0 and seqlens_given:
+            ends = cache_seqlens
+        else:
+            ends = torch.tensor([length + new for length in lengths], dtype=torch.int32)
     if slopes is not None:
         slopes = slopes.detach()  # (the op has no backward; nothing else it takes can require grad here)
     out, lse = ops.attention_kvcache_fwd(qh, kh, vh, ends, cache_batch_idx, cache_leftpad, block_table, scale,

@@ -574,6 +574,13 @@ def test_opcheck_and_signature():
                                                          v_new, i32(5, 9), i32(2, 0), None))
     torch.library.opcheck(ops.attention_kvcache_append, (torch.zeros(6, 4, 2, 8), torch.zeros(6, 4, 2, 8), k_new,
                                                          v_new, i32(3, 0), None, i32([0, 1, 2], [3, 4, 5])))
+    # the traced calls' checks (the eager call's rules, when the graph runs): each entry's key end
+    ends = ops.kvcache_checked_ends(i32(5, 9), i32(2, 0), i32(1, 0), None, 2, 0, 3, 20, 3, 20, 12, 2, True)
+    assert torch.equal(ends, i32(8, 12))
+    torch.library.opcheck(ops.kvcache_checked_ends, (None, None, None, i32([0, 1, 2], [3, 4, 5]), 2, 7, 6, 4, 3, 12,
+                                                     -1, 1, False))
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 9 plus 3 new keys overflows the cache's 11 positions"):
+        ops.kvcache_checked_ends(i32(5, 9), None, None, None, 2, 0, 3, 11, 3, 11, -1, 1, False)
     # the forward op checks the key ends itself
     with pytest.raises(RuntimeError, match=r"cache_seqlens\[1\] = -5 \(the keys the entry attends to, any appended "
                                            r"ones included\) must be in \[0, 20\]"):

@@ -156,6 +156,87 @@ def test_a_compiled_kv_cache_call_checks_scale_and_softcap_before_it_appends():
         assert not k_cache.any() and not v_cache.any()
 
 
+def _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad=None, block_table=None, cache_batch_idx=None,
+                 rotary=None):
+    cos, sin = rotary if rotary is not None else (None, None)
+    return attention_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                                 cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
+                                                 block_table=block_table, cache_batch_idx=cache_batch_idx,
+                                                 causal=True, rotary_interleaved=False, return_softmax_lse=True)
+
+
+def _decode_setup(layout, generator):
+    """Caches, per-entry tensors and rotary tables for a 3-entry decode (2 KV heads, 4 query heads)."""
+    batch, slots, d = 3, 24, 8
+    lengths = torch.tensor([3, 0, 9], dtype=torch.int32)
+    extra = {}
+    if layout == "paged":
+        block, per_entry = 4, 6
+        table = torch.randperm(batch * per_entry, generator=generator).view(batch, per_entry).to(torch.int32)
+        k_cache = torch.randn(batch * per_entry, block, 2, d, generator=generator)
+        extra["block_table"] = table
+    elif layout == "batch_idx":
+        k_cache = torch.randn(batch + 2, slots, 2, d, generator=generator)
+        extra["cache_batch_idx"] = torch.tensor([4, 0, 2], dtype=torch.int32)
+    else:
+        k_cache = torch.randn(batch, slots, 2, d, generator=generator)
+        extra["cache_leftpad"] = torch.tensor([1, 0, 4], dtype=torch.int32)
+        angles = torch.arange(slots, dtype=torch.float64)[:, None] / 100 ** (torch.arange(0, d, 2) / d)
+        extra["rotary"] = (angles.cos().float(), angles.sin().float())
+    return k_cache, torch.randn(k_cache.shape, generator=generator), lengths, extra
+
+
+@pytest.mark.parametrize("backend, layout", [("aot_eager", "contiguous_rotary_leftpad"), ("aot_eager", "paged"),
+                                             ("aot_eager", "batch_idx"), ("inductor", "contiguous_rotary_leftpad")])
+def test_a_decode_loop_compiled_whole_with_per_entry_tensors_matches_eager(backend, layout):
+    """flash_attn_with_kvcache traces as one graph (fullgraph=True) with cache_seqlens, cache_leftpad,
+    cache_batch_idx and block_table as tensors, whose values the checks read only when the graph
+    runs: every step's output, lse and both caches are bitwise the eager call's."""
+    g = torch.Generator().manual_seed(7)
+    k_cache, v_cache, lengths, extra = _decode_setup(layout, g)
+    eager_k, eager_v = k_cache.clone(), v_cache.clone()
+    torch._dynamo.reset()
+    compiled = torch.compile(_decode_step, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        for step in range(4):
+            q = torch.randn(3, 1, 4, 8, generator=g)
+            k, v = (torch.randn(3, 1, 2, 8, generator=g) for _ in range(2))
+            got = compiled(q, k_cache, v_cache, k, v, lengths, **extra)
+            want = _decode_step(q, eager_k, eager_v, k, v, lengths, **extra)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+            assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v), step
+            lengths = lengths + 1
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("bad, message", [("overflow", "overflows the cache's 24 positions"),
+                                          ("leftpad", r"cache_leftpad\[2\] = 11 must be in \[0, 10\]"),
+                                          ("rotary", "beyond the rotary tables' 8 positions")])
+def test_a_compiled_decode_step_refuses_bad_entries_before_it_writes(backend, bad, message):
+    """Compiled whole, the per-entry checks run when the graph runs and still come before the
+    cache is written (the writes take their positions from the checks' result): the eager call's
+    ValueError, the caches untouched."""
+    g = torch.Generator().manual_seed(8)
+    k_cache, v_cache, lengths, extra = _decode_setup("contiguous_rotary_leftpad", g)
+    if bad == "overflow":
+        lengths = torch.tensor([3, 0, 24], dtype=torch.int32)
+    elif bad == "leftpad":
+        extra["cache_leftpad"] = torch.tensor([1, 0, 11], dtype=torch.int32)
+    else:
+        extra["rotary"] = tuple(t[:8] for t in extra["rotary"])
+    before = k_cache.clone(), v_cache.clone()
+    torch._dynamo.reset()
+    compiled = torch.compile(_decode_step, backend=backend, fullgraph=True)
+    q = torch.randn(3, 1, 4, 8, generator=g)
+    k, v = (torch.randn(3, 1, 2, 8, generator=g) for _ in range(2))
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=message):
+            _decode_step(q, k_cache, v_cache, k, v, lengths, **extra)
+        with pytest.raises(ValueError, match=message):
+            compiled(q, k_cache, v_cache, k, v, lengths, **extra)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
 def test_torch_compile_inductor():
     torch._dynamo.reset()
     f = torch.compile(lambda q, k, v: attention_ext.scaled_dot_product_attention(q, k, v, is_causal=True) * 2,
