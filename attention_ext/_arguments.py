@@ -103,6 +103,7 @@ def finite(x) -> bool:
 def scale_rules(check: Check, scale: float, dtype: torch.dtype) -> None:
     """The kernels hold scale·log2(e) in the accumulation dtype (float32 for float32, float16 and
     bfloat16 inputs): a scale that is infinite there would turn every score into inf or NaN."""
+    check(scale == scale, ValueError, lambda: f"scale must be a finite number, got {scale}")
     check(not scale_overflows(scale, dtype), ValueError,
           lambda: f"scale must be finite in the {lse_dtype(dtype)} accumulation of {dtype} inputs "
           f"(|scale| <= {max_scale(dtype):.4g}), got {scale}")
@@ -188,6 +189,44 @@ def op_rules(check: Check, query, key, value, attn_mask, scale, causal, window_l
         rng_state_rules(check, rng_state, query.device)
     if attn_mask is not None:
         mask_rules(check, attn_mask, query)
+
+
+MAX_BATCH_DIMS = 8  # the kernels' (csrc/attention_params.h); the public API merges leading dims past it
+
+
+def op_batch_rules(check: Check, query, key, value, attn_mask) -> None:
+    """The ops' batch dims (csrc/op_arguments.cpp): those of query, key and value (None:
+    attention_probs) broadcast together, at most MAX_BATCH_DIMS of them, key and value with the
+    same ones (the backward owns dK and dV per key position), and the mask broadcasts to the
+    weights' (batch..., n, m). The public API shapes its calls so; a direct op call, traced or on
+    meta tensors, is held to them here."""
+    tensors = (("query", query), ("key", key)) + ((("value", value),) if value is not None else ())
+    nd = max(t.dim() for _, t in tensors) - 2
+    batch = [1] * nd
+    for name, t in tensors:
+        for i, size in enumerate(t.shape[:-2]):
+            d = nd - (t.dim() - 2) + i
+            check(size == 1 or batch[d] == 1 or batch[d] == size, ValueError,
+                  lambda name=name, size=size, d=d: f"the batch dims of query {tuple(query.shape)}, key "
+                  f"{tuple(key.shape)}" + (f" and value {tuple(value.shape)}" if value is not None else "") +
+                  f" do not broadcast ({name} has size {size} at batch dim {d})")
+            if size != 1:
+                batch[d] = size
+    check(nd <= MAX_BATCH_DIMS, ValueError,
+          lambda: f"at most {MAX_BATCH_DIMS} batch dims are supported, got {nd} (reshape the leading dims together)")
+    if value is not None:
+        def padded(t):  # (batch dims aligned right, missing ones 1)
+            return [1] * (nd - (t.dim() - 2)) + list(t.shape[:-2])
+
+        check(padded(key) == padded(value), ValueError,
+              lambda: f"key and value must have the same batch dims at the op level, got key {tuple(key.shape)} and "
+              f"value {tuple(value.shape)}")
+    if attn_mask is not None:
+        target = list(batch) + [query.shape[-2], key.shape[-2]]
+        shape = tuple(attn_mask.shape)
+        check(len(shape) <= len(target) and all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target))),
+              ValueError, lambda: f"attn_mask of shape {shape} does not broadcast to the attention weights' shape "
+              f"{tuple(target)}")
 
 
 def enforce(holds, error: type, message: Callable[[], str]) -> None:

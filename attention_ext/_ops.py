@@ -51,6 +51,7 @@ def _check_fake_inputs(query, key, value, attn_mask, scale, causal, window_left,
                        sinks, dropout_p, rng_state):
     _arguments.op_rules(_arguments.check_traced, query, key, value, attn_mask, scale, causal, window_left,
                         window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state)
+    _arguments.op_batch_rules(_arguments.check_traced, query, key, value, attn_mask)
 
 
 @torch.library.register_fake("attention_ext::attention_fwd")
@@ -71,9 +72,22 @@ def _attention_bwd_fake(grad_out, grad_lse, query, key, value, attn_mask, out, l
                         merged_lse=False):
     _check_fake_inputs(query, key, value, attn_mask, scale, causal, window_left, window_right, softcap, alibi_slopes,
                        sinks, dropout_p, rng_state)
-    for t, name in ((grad_out, "grad_out"), (grad_lse, "grad_lse"), (out, "out"), (lse, "lse")):
+    batch = _batch_shape(query, key, value)
+    n, dv = query.shape[-2], value.shape[-1]
+    lse_type = lse_dtype(query.dtype)
+    # The forward's outputs and their gradients, as attention_fwd returns them (the op's shape,
+    # dtype and device rules, csrc/op_arguments.cpp).
+    # (grad_lse: any float dtype, converted to the lse's)
+    for t, name, shape, dtype in ((grad_out, "grad_out", (*batch, n, dv), query.dtype),
+                                  (grad_lse, "grad_lse", (*batch, n), None), (out, "out", (*batch, n, dv), query.dtype),
+                                  (lse, "lse", (*batch, n), lse_type)):
         if t is not None:
             _arguments.device_rule(_arguments.check_traced, t, name, query.device)
+            _arguments.check_traced(dtype is None or t.dtype == dtype, TypeError,
+                                    lambda t=t, name=name, dtype=dtype: f"{name} must be {dtype}, got {t.dtype}")
+            _arguments.check_traced(tuple(t.shape) == tuple(shape), ValueError,
+                                    lambda t=t, name=name, shape=shape: f"{name} must have shape {tuple(shape)}, got "
+                                    f"{tuple(t.shape)}")
     grad_mask = torch.empty_like(attn_mask, memory_format=torch.contiguous_format) if mask_requires_grad \
         else query.new_empty((0,))
     return (

@@ -156,6 +156,40 @@ def test_a_compiled_kv_cache_call_checks_scale_and_softcap_before_it_appends():
         assert not k_cache.any() and not v_cache.any()
 
 
+def _refused_op_calls(device):
+    """Direct op calls the CPU kernels refuse, with a phrase of the refusal (op_arguments.cpp)."""
+    def t(*shape):
+        return torch.randn(*shape, device=device)
+
+    q, k, v = t(1, 2, 4, 8), t(1, 2, 5, 8), t(1, 2, 5, 8)
+    fwd = ops.attention_fwd
+    rest = (0, -1, -1, 0.0, None, None, 0.0, None)
+    return {
+        "mask_shape": (lambda: fwd(q, k, v, t(3, 5), 0.3, *rest), "does not broadcast to the attention weights"),
+        "qk_batch": (lambda: fwd(t(2, 3, 4, 8), t(3, 2, 5, 8), t(3, 2, 5, 8), None, 0.3, *rest),
+                     "batch dims of query"),
+        "kv_batch": (lambda: fwd(t(2, 4, 8), t(1, 5, 8), t(2, 5, 8), None, 0.3, *rest),
+                     "key and value must have the same batch dims"),
+        "nine_batch_dims": (lambda: fwd(t(*(1,) * 9, 4, 8), t(5, 8), t(5, 8), None, 0.3, *rest),
+                            "at most 8 batch dims"),
+        "nan_scale": (lambda: fwd(q, k, v, None, float("nan"), *rest), "scale must be a finite number"),
+        "bwd_grad_out": (lambda: ops.attention_bwd(t(7, 7), None, q, k, v, None, t(1, 2, 4, 8), t(1, 2, 4), 0.3,
+                                                   *rest, False, False), "grad_out must have shape"),
+        "bwd_lse": (lambda: ops.attention_bwd(t(1, 2, 4, 8), None, q, k, v, None, t(1, 2, 4, 8), t(2, 2), 0.3,
+                                              *rest, False, False), "lse must have shape"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_refused_op_calls("cpu")))
+def test_fake_kernels_refuse_what_the_cpu_kernels_refuse(case):
+    """On meta tensors (and so under torch.compile and torch.export) an op call the kernels would
+    refuse raises too, with the same words, instead of returning tensors of a wrong shape."""
+    for device in ("cpu", "meta"):
+        call, phrase = _refused_op_calls(device)[case]
+        with pytest.raises(RuntimeError, match=phrase):
+            call()
+
+
 def _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad=None, block_table=None, cache_batch_idx=None,
                  rotary=None):
     cos, sin = rotary if rotary is not None else (None, None)
