@@ -81,6 +81,35 @@ def test_benchmark_times_the_backward_the_naive_composition_and_each_candidate_s
     assert "measured at the start" in md
 
 
+def test_the_read_probe_reads_its_buffer_at_a_plausible_rate_and_refuses_others():
+    """cpu_stream_read_gbps: bytes read over its own time, so a 4x larger buffer takes about 4x as
+    long (not a constant time); a rate between 0.1 GB/s and 10 TB/s; a clear error for a buffer it
+    cannot read."""
+    import time
+
+    import torch
+    probe = torch.ops.attention_ext.cpu_stream_read_gbps
+    small, large = torch.ones(2 ** 22), torch.ones(2 ** 24)  # 16 and 64 MiB
+
+    def seconds(x):
+        t0 = time.perf_counter()
+        probe(x)
+        return time.perf_counter() - t0
+    probe(large)
+    assert min(seconds(large) for _ in range(3)) > 2 * min(seconds(small) for _ in range(3))
+    assert 0.1 < probe(large) < 10_000
+    for bad in (torch.ones(100), torch.ones(2 ** 20, dtype=torch.float64), torch.ones(2 ** 21)[::2]):
+        with pytest.raises(RuntimeError, match="cpu_stream_read_gbps reads a contiguous float32 CPU tensor"):
+            probe(bad)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench
+    finally:
+        sys.path.pop(0)
+    bw = bench.measure_bandwidth(mib=64, reps=2)
+    assert bw["gbps"] == max(bw["probe_gbps"], bw["torch_sum_gbps"]) and bw["method"]
+
+
 @pytest.mark.parametrize("probe, short_iterations", [("cpu_fma_peak_gflops", 2_000_000),
                                                      ("cpu_tile_gemm_gflops", 2_000)])
 def test_cpu_probes_count_their_flops(probe, short_iterations):

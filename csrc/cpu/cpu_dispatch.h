@@ -1,6 +1,8 @@
 // Chooses the CPU kernel variant: the preferred one the CPU supports (auto_variant), or the one named by the
 // ATTENTION_EXT_CPU_ISA environment variable (amx | avx512bf16 | avx512 | avx2 | generic), or set_cpu_variant().
 #pragma once
+#include <ATen/core/Tensor.h>
+
 #include <string>
 #include <vector>
 
@@ -27,6 +29,9 @@ double fma_peak_gflops(int64_t iterations);
 // The same for the kernels' own tile GEMM on cache-resident tiles (tile_gemm_probe): the ceiling the
 // attention kernels' GEMMs reach on this machine, reported beside the FMA peak.
 double tile_gemm_gflops(int64_t iterations);
+// The streaming read bandwidth in GB/s: every torch thread sums its contiguous share of `buffer`
+// (float32, far larger than the caches for a memory figure) once, as 8 parts read side by side.
+double stream_read_gbps(const at::Tensor& buffer);
 
 }  // namespace cpu
 }  // namespace attention_ext
