@@ -401,39 +401,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rotary = rotary_cos is not None or rotary_sin is not None
     # FlashAttention rotates q row by row only for a causal or windowed call.
     local = causal or window_left >= 0 or window_right >= 0
-    if rotary:
-        if rotary_cos is None or rotary_sin is None or k is None:
-            _fail(ValueError, "rotary_cos and rotary_sin go together and only with new k / v to rotate")
-        for table, name in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
-            if not isinstance(table, torch.Tensor) or not table.is_floating_point() or table.device != device:
-                got = f"{table.dtype} on {table.device}" if isinstance(table, torch.Tensor) else type(table).__name__
-                _fail(TypeError, f"{name} must be a floating tensor on {device}, got {got}")
-        # (tables that require grad would record the rotation and the cache writes in a graph)
-        rotary_cos, rotary_sin = rotary_cos.detach(), rotary_sin.detach()
-        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or 2 * rotary_cos.shape[1] > q.shape[-1]:
-            _fail(ValueError, f"rotary_cos / rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
-                              f"head_dim ({q.shape[-1]}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-    # Every position an entry writes or reads, and the rotary tables' reach, before anything is
-    # written: from the per-entry values on the host in an eager call; under torch.compile, where
-    # those values are data, by an op that runs the same checks when the graph runs and returns the
-    # key ends (lengths stay unknown then when cache_seqlens is a tensor).
+    # Every position an entry writes or reads (and, below, the rotary tables' reach), before
+    # anything is written: from the per-entry values on the host in an eager call; under
+    # torch.compile, where those values are data, by an op that runs the same checks when the graph
+    # runs and returns the key ends (then lengths stay unknown when cache_seqlens is a tensor).
+    traced = torch.compiler.is_compiling() and (seqlens_given or cache_batch_idx is not None or
+                                                cache_leftpad is not None or paged)
     ends = None
-    if torch.compiler.is_compiling() and (seqlens_given or cache_batch_idx is not None or cache_leftpad is not None
-                                          or paged):
-        fixed_length = 0 if seqlens_given else capacity if cache_seqlens is None else int(cache_seqlens)
-        ends = ops.kvcache_checked_ends(cache_seqlens if seqlens_given else None, cache_batch_idx, cache_leftpad,
-                                        block_table, batch, fixed_length, k_cache.shape[0], k_cache.shape[1], new,
-                                        capacity, rotary_cos.shape[0] if rotary else -1, seqlen_q, local)
-        lengths = None if seqlens_given else [fixed_length] * batch
-        # The writes take their positions from the checks' result, so that a compiler cannot
-        # order them before the checks.
-        cache_seqlens = ends - new
-    else:
+    if not traced:
         lengths, rows, leftpad = _entry_values(cache_seqlens, cache_batch_idx, cache_leftpad, batch, capacity)
         _check_entries(lengths, rows, leftpad, block_table, k_cache.shape[0], k_cache.shape[1], new, capacity,
                        cache_batch_idx is not None)
-        if rotary:
-            _check_rotary_reach(lengths, new, seqlen_q, local, rotary_cos.shape[0])
     # Every rule that can refuse the call, before anything is written (the op checks them again).
     _arguments.band_rules(_arguments.enforce, 2 if causal else 0, window_left, window_right, seqlen_q, capacity)
     if softcap != 0.0:  # (0.0, none, passes every rule)
@@ -449,6 +427,30 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if batch == 0:  # nothing to write or attend to
         out = q.new_empty((0, seqlen_q, heads, v_cache.shape[-1]))
         return (out, q.new_empty((0, heads, seqlen_q), dtype=lse_dtype(q.dtype))) if return_softmax_lse else out
+
+    if rotary:
+        if rotary_cos is None or rotary_sin is None or k is None:
+            _fail(ValueError, "rotary_cos and rotary_sin go together and only with new k / v to rotate")
+        for table, name in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
+            if not isinstance(table, torch.Tensor) or not table.is_floating_point() or table.device != device:
+                got = f"{table.dtype} on {table.device}" if isinstance(table, torch.Tensor) else type(table).__name__
+                _fail(TypeError, f"{name} must be a floating tensor on {device}, got {got}")
+        # (tables that require grad would record the rotation and the cache writes in a graph)
+        rotary_cos, rotary_sin = rotary_cos.detach(), rotary_sin.detach()
+        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or 2 * rotary_cos.shape[1] > q.shape[-1]:
+            _fail(ValueError, f"rotary_cos / rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
+                              f"head_dim ({q.shape[-1]}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        if not traced:
+            _check_rotary_reach(lengths, new, seqlen_q, local, rotary_cos.shape[0])
+    if traced:
+        fixed_length = 0 if seqlens_given else capacity if cache_seqlens is None else int(cache_seqlens)
+        ends = ops.kvcache_checked_ends(cache_seqlens if seqlens_given else None, cache_batch_idx, cache_leftpad,
+                                        block_table, batch, fixed_length, k_cache.shape[0], k_cache.shape[1], new,
+                                        capacity, rotary_cos.shape[0] if rotary else -1, seqlen_q, local)
+        lengths = None if seqlens_given else [fixed_length] * batch
+        # The writes take their positions from the checks' result, so that a compiler cannot
+        # order them before the checks.
+        cache_seqlens = ends - new
 
     # On CPU tensors the rotary and the append are ops of their own; under vmap and the other
     # functorch transforms (the ops have no batching rules) and on other devices, torch ops.

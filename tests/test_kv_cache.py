@@ -551,6 +551,20 @@ print("ok")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr[-2000:]
 
 
+def test_the_entries_are_checked_before_the_rotary_tables_and_an_empty_batch_returns_first():
+    """The order of the refusals: the per-entry values (a cache overflow) before the rotary tables'
+    shape; a batch of 0 entries returns empty outputs before the rotary tables are looked at."""
+    kc, vc = torch.zeros(2, 16, 1, 8), torch.zeros(2, 16, 1, 8)
+    q, k, v = torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 8)
+    cos, sin = torch.ones(16, 2), torch.zeros(16, 2)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 16 plus 1 new keys overflows"):
+        flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos[:, :1], rotary_sin=sin,
+                                cache_seqlens=torch.tensor([16, 0], dtype=torch.int32))
+    out = flash_attn_with_kvcache(torch.randn(0, 1, 1, 8), kc, vc, rotary_cos=cos, rotary_sin=sin,
+                                  cache_seqlens=torch.zeros(0, dtype=torch.int32))
+    assert out.shape == (0, 1, 1, 8)
+
+
 def test_opcheck_and_signature():
     import inspect
 
