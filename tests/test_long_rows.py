@@ -12,8 +12,13 @@ import torch
 import attention_ext
 from attention_ext.reference import attention_reference
 
-from conftest import assert_close_to_reference, assert_lse_close, gradcheck
+from conftest import CUDA_EMULATION, assert_close_to_reference, assert_lse_close, gradcheck
 
+# The CUDA kernels (which run these tests on CPU tensors in the CUDA emulation build) still sum a
+# row's keys into one running accumulator, as FlashAttention's do: the precision bounds are the CPU
+# kernels'.
+CUDA_SUMS_IN_ONE_RUN = pytest.mark.xfail(CUDA_EMULATION, strict=True,
+                                         reason="the CUDA kernels do not sum long rows in chunks yet")
 CHUNK = 32 * 64  # keys per chunk
 PATHS = {"tiled": 16, "decode": 1, "decode_gqa": 3}  # query rows per head
 
@@ -25,6 +30,7 @@ def batch_for(path):
     return 1 if path == "tiled" else 64
 
 
+@CUDA_SUMS_IN_ONE_RUN
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_a_long_row_of_equal_scores_averages_the_values_to_the_dtypes_precision(cpu_variant, path, dtype):
@@ -42,6 +48,7 @@ def test_a_long_row_of_equal_scores_averages_the_values_to_the_dtypes_precision(
     assert_lse_close(lse, attention_reference(q, k, v, enable_gqa=True)[1], dtype)
 
 
+@CUDA_SUMS_IN_ONE_RUN
 @pytest.mark.parametrize("path", PATHS)
 def test_random_long_rows_match_the_float64_reference_closer_than_torch(cpu_variant, path):
     """Random scores and values over 2^17 + 5 keys in float32: within 1e-6 of the float64
