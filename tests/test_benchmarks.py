@@ -248,9 +248,10 @@ def test_decode_in_cache_benchmark_reports_cycles_per_key_at_a_plausible_clock()
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "cycles per (key, KV head)" in proc.stdout and "2 query row(s) x 1 heads per KV head" in proc.stdout
     # The clock comes from the FMA peak and the variant's vector width: a variant missing from the
-    # width table once made it 14 GHz (cycle counts 4x too high).
+    # width table once made it 14 GHz (cycle counts 4x too high). (No lower bound: under the
+    # sanitizers the probe runs far below the machine's clock.)
     ghz = float(re.search(r"at ([0-9.]+) GHz", proc.stdout).group(1))
-    assert 0.3 < ghz < 7, proc.stdout
+    assert 0 < ghz < 7, proc.stdout
 
 
 def _build_and_run_micro_benchmark(tmp_path, name, flags, arg):
