@@ -219,7 +219,7 @@ def _checked_ends(cache_seqlens, cache_batch_idx, cache_leftpad, block_table, ba
                    cache_batch_idx is not None)
     if rotary_rows >= 0:
         _check_rotary_reach(lengths, new, seqlen_q, local, rotary_rows)
-    return torch.tensor([length + new for length in lengths], dtype=torch.int32)
+    return _key_ends(lengths, new)
 
 
 @torch.library.register_fake("attention_ext::kvcache_checked_ends")
@@ -235,10 +235,13 @@ def _starts(cache_seqlens, lengths):
 
 
 def _start_column(cache_seqlens, lengths, device):
-    """Where each entry's new keys go as an int64 (batch, 1) tensor on device (for index tensors)."""
-    if isinstance(cache_seqlens, torch.Tensor):
-        return cache_seqlens.to(device=device, dtype=torch.int64).unsqueeze(-1)
-    return torch.tensor(lengths, device=device).unsqueeze(-1)
+    """_starts as an int64 (batch, 1) tensor on device (for index tensors)."""
+    return _starts(cache_seqlens, lengths).to(device=device, dtype=torch.int64).unsqueeze(-1)
+
+
+def _key_ends(lengths, new):
+    """Each entry's key end, lengths[b] + new, as the int32 tensor the attention op takes."""
+    return torch.tensor([length + new for length in lengths], dtype=torch.int32)
 
 
 def _rotation(cos, sin, positions, acc, interleaved):
@@ -532,7 +535,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if new == 0 and seqlens_given:
             ends = cache_seqlens
         else:
-            ends = torch.tensor([length + new for length in lengths], dtype=torch.int32)
+            ends = _key_ends(lengths, new)
     if slopes is not None:
         slopes = slopes.detach()  # (the op has no backward; nothing else it takes can require grad here)
     out, lse = ops.attention_kvcache_fwd(qh, kh, vh, ends, cache_batch_idx, cache_leftpad, block_table, scale,
