@@ -259,6 +259,32 @@ print(torch.equal(out, call(100)))
 
 
 @pytest.mark.cpu_kernels
+@pytest.mark.skipif(not amx_tiles(), reason="this CPU has no AMX (or Linux refused this process its tile state)")
+@pytest.mark.parametrize("causal", [False, True])
+def test_amx_bf16_forward_past_its_packed_key_budget_packs_tiles_in_turn(causal):
+    # A head's packed K and V are kept between query tiles up to 1 MiB; past that (4200 keys at
+    # d = 128: 2.1 MiB) every key tile is packed for each use, into two slots taken in turn, since
+    # the forward packs the next key tile while the current one's V is still read (the tile
+    # products of the next tile run between the softmax blocks of this one). 70 query rows: a last
+    # block of 6 rows and 10 of padding. Were the next tile packed over the current one, P V would
+    # read the wrong values.
+    torch.manual_seed(0)
+    q = rand(1, 2, 70, 128, dtype=torch.bfloat16)
+    k, v = rand(1, 2, 4200, 128, dtype=torch.bfloat16), rand(1, 2, 4200, 128, dtype=torch.bfloat16)
+    previous = attention_ext.cpu_variant()
+    try:
+        attention_ext.set_cpu_variant("amx")
+        out, lse = attention_ext.attention(q, k, v, causal="bottom_right" if causal else None, return_lse=True)
+    finally:
+        attention_ext.set_cpu_variant(previous)
+    mode = "bottom_right" if causal else None
+    ref, ref_lse, _ = attention_reference(q, k, v, causal=mode)
+    budget = (attention_reference(q, k, v, causal=mode, dtype=None)[0].double() - ref).abs().max().item()
+    assert_close_to_reference(out, ref, torch.bfloat16, budget)
+    assert_lse_close(lse, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.cpu_kernels
 @pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or Linux does not offer its tile state)")
 @pytest.mark.parametrize("signal_stack", ["none", "small_signal_stack"])
 def test_amx_tile_state_is_requested_on_the_first_tile_call_and_a_refusal_falls_back(signal_stack):
