@@ -370,6 +370,42 @@ def test_nan_in_some_scores_of_a_row_propagates():
     assert torch.isnan(out[0]).all() and torch.isfinite(out[1]).all()
 
 
+# --- Storage conversion: fp32 results reach fp16/bf16 outputs rounded to nearest even ------------
+
+MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [3, 40], ids=["decode", "tiled"])
+@pytest.mark.parametrize("d", [64, 40])  # whole vectors and a ragged tail
+def test_low_precision_outputs_round_to_nearest_even(cpu_variant, dtype, n, d):
+    """With q = 0 and two keys every output is the mean of two V rows, exact in float32. V's rows
+    are x and x + k·ulp(x) (k = 1, 2, 3 by column): for odd k the mean lies exactly halfway between
+    two storage values and must round to the even one, bit for bit. Column 1 is +inf twice (+inf),
+    column 2 one NaN (NaN), column 3 +inf and -inf (NaN)."""
+    c = torch.arange(d, dtype=torch.float64)
+    exponent = (c * 5) % 17 - 8                      # binades 2^-8 .. 2^8
+    fraction = 1 + ((c * 37) % 61) / 128             # well inside the binade
+    x = torch.where(c % 3 == 1, -1.0, 1.0) * fraction * 2.0 ** exponent
+    x = x.to(dtype).double()
+    ulp = 2.0 ** (torch.floor(torch.log2(x.abs())) - MANTISSA_BITS[dtype])
+    v = torch.stack([x, x + torch.sign(x) * (1 + c % 3) * ulp]).to(dtype)
+    assert (v.double()[1] - v.double()[0]).abs().equal((1 + c % 3) * ulp)  # both stored exactly
+    v[:, 1] = float("inf")
+    v[0, 2] = float("nan")
+    v[:, 3] = torch.tensor([float("inf"), -float("inf")])
+    v = v.expand(2, 2, d).contiguous()
+    k = torch.ones(2, 2, 16, dtype=dtype)
+    q = torch.zeros(2, n, 16, dtype=dtype)
+    out = attention_ext.attention(q, k, v)
+    expected = ((v[0, 0].double() + v[0, 1].double()) / 2).to(dtype).expand(2, n, d)
+    finite = torch.ones(d, dtype=torch.bool)
+    finite[1:4] = False
+    assert torch.equal(out[..., finite], expected[..., finite])
+    assert (out[..., 1] == float("inf")).all()
+    assert out[..., 2].isnan().all() and out[..., 3].isnan().all()
+
+
 # --- Storage conversion: fp16/bf16 inputs reach the float32 accumulators exactly -------------------
 
 SMALLEST_SUBNORMAL = {torch.float16: 2.0 ** -24, torch.bfloat16: 2.0 ** -133}
