@@ -241,12 +241,14 @@ def test_call_overhead_benchmark_times_a_gqa_call_beside_torch_s(tmp_path):
 
 
 @pytest.mark.slow_on_emulation
-def test_decode_in_cache_benchmark_reports_cycles_per_key_at_a_plausible_clock():
+@pytest.mark.parametrize("kv_cache", [False, True], ids=["heads_major", "kv_cache"])
+def test_decode_in_cache_benchmark_reports_cycles_per_key_at_a_plausible_clock(kv_cache):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "decode_in_cache.py"), "--tokens", "16",
-                           "--rows", "2", "--heads-per-kv", "1", "--seconds", "0"],
+                           "--rows", "2", "--heads-per-kv", "1", "--seconds", "0"] + (["--kv-cache"] if kv_cache else []),
                           capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "cycles per (key, KV head)" in proc.stdout and "2 query row(s) x 1 heads per KV head" in proc.stdout
+    assert ("one KV cache" in proc.stdout) == kv_cache
     # The clock comes from the FMA peak and the variant's vector width: a variant missing from the
     # width table once made it 14 GHz (cycle counts 4x too high). (No lower bound: under the
     # sanitizers the probe runs far below the machine's clock.)
