@@ -11,7 +11,7 @@ import torch
 from attention_ext import attention, draw_rng_state, dropout_mask, scaled_dot_product_attention
 from attention_ext.reference import attention_reference
 
-from conftest import ATOL, assert_close_to_reference, low_precision_budget, rand
+from conftest import ATOL, amx_tiles, assert_close_to_reference, low_precision_budget, rand
 
 # One (batch, head) pair and 5000 keys: split into 9 ranges of 576 keys (the last one shorter).
 # The decode path is the CPU kernels' own (the CUDA kernels have one forward for every n).
@@ -220,7 +220,8 @@ def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant
     """Each logit is one dot product summed in one fixed order, whichever other query rows share
     the call (one row, or a GQA group's two or four: fp16/bf16 K read in place for four, packed
     for two; V in place through the GEMM for both). (Where its key falls in the tile:
-    test_kv_cache's paged-against-contiguous test.)"""
+    test_kv_cache's paged-against-contiguous test.) Not for bf16 groups of 8 rows or more in the
+    amx variant, whose products run on AMX tiles (test_decode_bf16_groups_on_tiles_...)."""
     g = torch.Generator().manual_seed(m)
     q = torch.randn(1, groups, 1, 64, generator=g).to(dtype)
     k, v = (torch.randn(1, 1, m, 64, generator=g).to(dtype) for _ in range(2))
@@ -248,6 +249,66 @@ def test_decode_interleaved_heads_give_the_same_bits_as_heads_stored_apart(cpu_v
     interleaved, interleaved_lse = attention(q, k, v, enable_gqa=True, return_lse=True)
     apart, apart_lse = attention(q, k.contiguous(), v.contiguous(), enable_gqa=True, return_lse=True)
     assert torch.equal(interleaved, apart) and torch.equal(interleaved_lse, apart_lse)
+
+
+# bf16 calls with 8 to 32 rows per K/V head (heads x n) take the products on AMX tiles in the amx
+# variant (csrc/cpu/decode_bf16_amx.inc): Sᵀ = K Qᵀ per chunk of 16 keys, O += P V per 32. Rows:
+# 8, 16 (one block of tile rows), 20 and 32 (two); keys: whole chunks, a short last chunk (203, 70)
+# and several key ranges merged (3000); dv != dk.
+TILE_DECODE = [(8, 1, 1, 64, 64, 203), (16, 4, 4, 64, 64, 70), (20, 1, 1, 64, 64, 100), (32, 1, 1, 128, 128, 3000),
+               (8, 1, 2, 64, 128, 203), (12, 4, 3, 32, 32, 130)]
+
+
+@pytest.mark.parametrize("hq,hkv,n,dk,dv,m", TILE_DECODE, ids=[f"{a}q{b}kv_n{c}_d{d}x{e}_m{f}" for a, b, c, d, e, f in TILE_DECODE])
+@pytest.mark.parametrize("tokens_major", [False, True], ids=["heads_major", "tokens_major"])
+def test_decode_bf16_groups_on_tiles_match_the_reference(cpu_variant, hq, hkv, n, dk, dv, m, tokens_major):
+    """Each head keeps its own masks and modifiers (applied to the score tile's rows after the
+    tile product), and the result is within the bf16 budget whatever the variant."""
+    g = torch.Generator().manual_seed(hq + n + m)
+    q = heads_then_tokens(1, hq, n, dk, g, tokens_major).to(torch.bfloat16)
+    k = heads_then_tokens(1, hkv, m, dk, g, tokens_major).to(torch.bfloat16)
+    v = heads_then_tokens(1, hkv, m, dv, g, tokens_major).to(torch.bfloat16)
+    for options in ({}, dict(causal="bottom_right", window=(m // 2, 0), softcap=30.0,
+                             alibi_slopes=torch.rand(hq, dtype=torch.float32, generator=g) / 8)):
+        out, lse = attention(q, k, v, enable_gqa=True, return_lse=True, **options)
+        ref, ref_lse, _ = attention_reference(q, k, v, enable_gqa=True, **options)
+        budget = low_precision_budget(((q, k, v), dict(enable_gqa=True, **options)), torch.bfloat16, ref)
+        assert_close_to_reference(out, ref, torch.bfloat16, budget=budget)
+        assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+    results = on_thread_counts(lambda: attention(q, k, v, enable_gqa=True, return_lse=True))
+    assert all(torch.equal(a, results[0][0]) and torch.equal(b, results[0][1]) for a, b in results[1:])
+
+
+def test_decode_bf16_group_on_tiles_draws_dropout_by_position(cpu_variant):
+    p, m = 0.25, 300
+    g = torch.Generator().manual_seed(5)
+    q = heads_then_tokens(1, 16, 1, 64, g, True).to(torch.bfloat16)
+    k, v = (heads_then_tokens(1, 2, m, 64, g, True).to(torch.bfloat16) for _ in range(2))
+    torch.manual_seed(11)
+    keep = dropout_mask(draw_rng_state(), (1, 16, 1, m), p)
+    torch.manual_seed(11)
+    out = scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=True)
+    ref = attention_reference(q, k, v, dropout_mask=keep, dropout_p=p, enable_gqa=True)[0]
+    budget = low_precision_budget(((q, k, v), dict(dropout_mask=keep, dropout_p=p, enable_gqa=True)),
+                                  torch.bfloat16, ref)
+    assert_close_to_reference(out, ref, torch.bfloat16, budget=budget)
+
+
+def test_decode_bf16_on_tiles_counts_subnormal_values_as_zero(cpu_variant):
+    """One key, so each output is 1 x v: exact on vector units; the tile products (amx variant,
+    8 or more rows) treat subnormal bf16 inputs as zero, as every AMX/AVX512-BF16 product does."""
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    values = bits.view(torch.bfloat16)
+    finite = torch.isfinite(values)
+    v = values[finite][:8192].reshape(1, 1, 1, -1)
+    q = torch.ones(1, 8, 1, 32, dtype=torch.bfloat16)
+    k = torch.ones(1, 1, 1, 32, dtype=torch.bfloat16)
+    out = scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    subnormal = (v != 0) & (v.float().abs() < torch.finfo(torch.bfloat16).tiny)
+    assert subnormal.any()
+    want = torch.where(subnormal, torch.zeros_like(v), v) if cpu_variant == "amx" and amx_tiles() else v
+    for h in range(8):
+        assert torch.equal(out[0, h].float(), want[0, 0].float()), (cpu_variant, h)  # (-0 == +0)
 
 
 @pytest.mark.parametrize("rows, tail", [(1, 0), (1, 5), (2, 0), (2, 5), (8, 0)],

@@ -700,13 +700,14 @@ def test_cuda_kernels(dtype, block_size):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [5, 7])
-@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (8, 2), (4, 1)], ids=["mha", "gqa4", "one_kv_head"])
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (8, 2), (4, 1), (16, 2)], ids=["mha", "gqa4", "one_kv_head", "gqa8"])
 def test_a_paged_cache_gives_the_contiguous_cache_s_bits(cpu_variant, dtype, block_size, heads, kv_heads):
     """With one K/V head, blocks of 5 or 7 rows cut every key tile into short runs, whose logits
     the kernel takes key by key; a contiguous cache's go through the path that reduces a vector's
     worth of keys' sums at once (hsum_lanes). Both add in the same order, so the outputs are the
     same bits. With several K/V heads both are read in storage order, the paged one run by run
-    while copying each chunk of keys."""
+    while copying each chunk of keys. (gqa8, bf16, amx variant: 8 rows per K/V head, products on
+    AMX tiles, which group keys by their place in the key tile, whatever the runs.)"""
     g = torch.Generator().manual_seed(block_size + heads)
     cache = Cache(2, 300, kv_heads, 64, dtype, block_size=block_size, generator=g)
     q = torch.randn(2, 1, heads, 64, generator=g).to(dtype)
