@@ -354,11 +354,14 @@ def test_amx_variant_runs_its_own_bf16_forward_and_backward(n, m, dk, dv):
 
 @pytest.mark.cpu_kernels
 @pytest.mark.skipif("amx" not in cpu_variants(), reason="this CPU has no AMX (or Linux does not offer its tile state)")
-def test_amx_variant_keeps_decode_shaped_calls_on_the_avx512_code():
+@pytest.mark.parametrize("n", [7, 8])
+def test_amx_variant_keeps_decode_shaped_calls_on_the_avx512_code(n):
     # At most 8 query rows: the decode forward, and a backward whose tiles would be mostly padding,
-    # run the avx512 variant's code in bf16 too, bit for bit (gradients included).
+    # run the avx512 variant's code in bf16 too, bit for bit (gradients included); except that the
+    # decode forward takes 8 or more rows per K/V head on AMX tiles (where Linux grants the tile
+    # state): then the output differs and the gradients (avx512 backward) stay within rounding.
     torch.manual_seed(0)
-    q, k, v = rand(2, 4, 8, 64, dtype=torch.bfloat16), rand(2, 4, 300, 64, dtype=torch.bfloat16), rand(2, 4, 300, 64, dtype=torch.bfloat16)
+    q, k, v = rand(2, 4, n, 64, dtype=torch.bfloat16), rand(2, 4, 300, 64, dtype=torch.bfloat16), rand(2, 4, 300, 64, dtype=torch.bfloat16)
     previous = attention_ext.cpu_variant()
     results = {}
     try:
@@ -369,7 +372,12 @@ def test_amx_variant_keeps_decode_shaped_calls_on_the_avx512_code():
             results[variant] = [out.detach(), *torch.autograd.grad(out, leaves, torch.ones_like(out))]
     finally:
         attention_ext.set_cpu_variant(previous)
-    assert all(torch.equal(a, b) for a, b in zip(results["amx"], results["avx512"]))
+    if n < 8 or not amx_tiles():
+        assert all(torch.equal(a, b) for a, b in zip(results["amx"], results["avx512"]))
+        return
+    assert not torch.equal(results["amx"][0], results["avx512"][0])
+    for a, b in zip(results["amx"], results["avx512"]):
+        assert (a.double() - b.double()).abs().max().item() < 0.05 * b.double().abs().max().item()
 
 
 @pytest.mark.cpu_kernels
