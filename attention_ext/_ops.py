@@ -20,15 +20,20 @@ def below_autograd():
     return torch._C._AutoDispatchBelowADInplaceOrView()
 
 
-# The prebuilt extension's direct entries to attention_fwd / attention_bwd (csrc/module.cpp): the
-# same op through the dispatcher without torch.ops' per-argument conversion (~3 µs a call). A JIT
-# build has none; an entry answers None where the call must go through torch.ops.
+# The prebuilt extension's direct entries to attention_fwd / attention_bwd and to a decode step's
+# attention_kvcache_fwd / attention_kvcache_append / attention_rotary (csrc/module.cpp): the same
+# op through the dispatcher without torch.ops' per-argument conversion (~3 µs a call). A JIT build
+# has none; an entry answers None where the call must go through torch.ops.
 _DIRECT_ENTRIES = {}
 if _LOADED_FROM.startswith("prebuilt:"):
     from . import _C as _compiled
     if hasattr(_compiled, "fwd_below_autograd"):
         _DIRECT_ENTRIES = {ops.attention_fwd: _compiled.fwd_below_autograd,
                            ops.attention_bwd: _compiled.bwd_below_autograd}
+    if hasattr(_compiled, "kvcache_fwd_below_autograd"):
+        _DIRECT_ENTRIES.update({ops.attention_kvcache_fwd: _compiled.kvcache_fwd_below_autograd,
+                                ops.attention_kvcache_append: _compiled.kvcache_append_below_autograd,
+                                ops.attention_rotary: _compiled.rotary_below_autograd})
 
 
 def call_below_autograd(op, *args):

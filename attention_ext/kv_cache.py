@@ -42,7 +42,7 @@ import torch
 
 from . import _arguments
 from ._constants import FLOAT_DTYPES, lse_dtype
-from ._ops import ops
+from ._ops import call_below_autograd, ops
 from .api import _check_scale, _check_softcap
 from .function import forward_ad_possible
 
@@ -307,6 +307,12 @@ def _refuse_forward_ad(named):
                                    "AD")
 
 
+def _step_op(op, *args):
+    """One of the step's ops (none has autograd, and no input requiring grad gets here with grad
+    mode on): through its direct entry below the autograd keys, or as a plain call when traced."""
+    return op(*args) if torch.compiler.is_compiling() else call_below_autograd(op, *args)
+
+
 def _check_tensors(q, k_cache, v_cache, k, v, paged):
     if (k is None) != (v is None):
         _fail(ValueError, "k and v must be given together (the new keys and values to append)")
@@ -320,11 +326,12 @@ def _check_tensors(q, k_cache, v_cache, k, v, paged):
             layout = "(num_blocks, block_size" if paged and name != "q" else "(batch, seqlen"
             _fail(ValueError, f"{name} must be a 4-D tensor {layout}, heads, head_dim), got {got}")
     tensors = [(q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")] + ([(k, "k"), (v, "v")] if k is not None else [])
+    dtype, device, grad_enabled = q.dtype, q.device, torch.is_grad_enabled()
     for t, name in tensors:
-        if t.dtype != q.dtype or t.device != q.device:
+        if t.dtype != dtype or t.device != device:
             _fail(TypeError, f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, "
                              f"{t.device}")
-        if t.requires_grad and torch.is_grad_enabled():
+        if grad_enabled and t.requires_grad:
             _fail(RuntimeError, f"{name} requires grad: this is an inference function (no backward); call it under "
                                 "torch.no_grad() or pass detached tensors")
     if q.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
@@ -353,7 +360,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_tensors(q, k_cache, v_cache, k, v, paged)
     if k is not None:  # (torch's own in-place ops refuse such a tensor too)
         for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-            shared = [dim for dim in range(4) if cache.stride(dim) == 0 and cache.shape[dim] > 1]
+            strides = cache.stride()
+            shared = [dim for dim in range(4) if strides[dim] == 0 and cache.shape[dim] > 1] if 0 in strides else ()
             if shared:
                 _fail(ValueError, f"{name} is an expanded view (stride 0 in dim {shared[0]}, shape "
                                   f"{tuple(cache.shape)}): appending k / v would write one memory row for several "
@@ -372,7 +380,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         window_right = 0
     scale = _check_scale(softmax_scale, q)
     softcap = _check_softcap(softcap)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+    if type(num_splits) is not int and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)) \
+            or num_splits < 0:
         _fail(TypeError, f"num_splits must be an int >= 0, got {num_splits!r}")
     rotary_interleaved = _arguments.flag(rotary_interleaved, "rotary_interleaved", _PREFIX, integers=True)
     return_softmax_lse = _arguments.flag(return_softmax_lse, "return_softmax_lse", _PREFIX, integers=True)
@@ -396,7 +405,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cache_seqlens is None:
         if k is not None:
             _fail(ValueError, "appending k / v needs cache_seqlens (where each entry's new keys go)")
-    elif not isinstance(cache_seqlens, numbers.Integral) or isinstance(cache_seqlens, bool):
+    elif isinstance(cache_seqlens, torch.Tensor) or not isinstance(cache_seqlens, numbers.Integral) \
+            or isinstance(cache_seqlens, bool):
         _check_per_entry(cache_seqlens, "cache_seqlens", batch, device)
     _check_per_entry(cache_batch_idx, "cache_batch_idx", batch, device)
     _check_per_entry(cache_leftpad, "cache_leftpad", batch, device)
@@ -464,8 +474,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             # One op per tensor (rotary.h), the formula's bits; tables in other float dtypes
             # (float8) take the torch ops below.
             starts = _starts(cache_seqlens, lengths)
-            k = ops.attention_rotary(k, rotary_cos, rotary_sin, starts, True, rotary_interleaved)
-            q = ops.attention_rotary(q, rotary_cos, rotary_sin, starts, local, rotary_interleaved)
+            k = _step_op(ops.attention_rotary, k, rotary_cos, rotary_sin, starts, True, rotary_interleaved)
+            q = _step_op(ops.attention_rotary, q, rotary_cos, rotary_sin, starts, local, rotary_interleaved)
         else:
             acc = torch.float64 if q.dtype == torch.float64 else torch.float32
             # (batch, new) cache indices where each entry's new keys go, so (FlashAttention's rule)
@@ -495,7 +505,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if cpu_ops:
             if starts is None:
                 starts = _starts(cache_seqlens, lengths)
-            ops.attention_kvcache_append(k_cache, v_cache, k, v, starts, cache_batch_idx, block_table)
+            _step_op(ops.attention_kvcache_append, k_cache, v_cache, k, v, starts, cache_batch_idx, block_table)
             # (as an in-place op: autograd notices a saved cache written since; a traced graph's
             # mutation of an input is torch.compile's to account for)
             for cache in (k_cache, v_cache) if not torch.compiler.is_compiling() else ():
@@ -538,9 +548,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             ends = _key_ends(lengths, new)
     if slopes is not None:
         slopes = slopes.detach()  # (the op has no backward; nothing else it takes can require grad here)
-    out, lse = ops.attention_kvcache_fwd(qh, kh, vh, ends, cache_batch_idx, cache_leftpad, block_table, scale,
-                                         0 if fold else 2 if causal else 0, -1 if fold else window_left,
-                                         -1 if fold else window_right, softcap, slopes)
+    out, lse = _step_op(ops.attention_kvcache_fwd, qh, kh, vh, ends, cache_batch_idx, cache_leftpad, block_table,
+                         scale, 0 if fold else 2 if causal else 0, -1 if fold else window_left,
+                         -1 if fold else window_right, softcap, slopes)
     dv = out.shape[-1]
     if fold:  # (batch, kv_heads, groups, d_v) -> (batch, 1, heads, d_v): a copy of one row per head
         out = out.reshape(batch, 1, heads, dv)

@@ -1,8 +1,10 @@
 // Python module init for attention_ext._C. Importing it loads the shared library, whose static
-// TORCH_LIBRARY blocks register the ops. The module adds two direct entries to them for the
-// package's hot calls, fwd_below_autograd and bwd_below_autograd (attention_ext/_ops.py, call_below_autograd).
+// TORCH_LIBRARY blocks register the ops. The module adds direct entries to them for the package's
+// hot calls (attention_ext/_ops.py, call_below_autograd): fwd_below_autograd and bwd_below_autograd,
+// and a decode step's three (flash_attn_with_kvcache): kvcache_fwd_below_autograd,
+// kvcache_append_below_autograd and rotary_below_autograd.
 //
-// Why: a torch.ops call converts each of its 13 or 19 arguments to an IValue through the schema in
+// Why: a torch.ops call converts each of its arguments (13 or 19 here) to an IValue through the schema in
 // Python and pybind11 (measured on a decode-sized forward, (1,4,1,32) against 64 keys: 11.3 µs
 // through torch.ops, 8.2 µs through the direct entry). These entries parse the arguments with the C API and
 // call the same op through the dispatcher's typed handle, below the autograd keys (as the package
@@ -80,19 +82,27 @@ struct Args {
   }
 };
 
-template <typename Sig>
-const c10::TypedOperatorHandle<Sig>& handle(const char* name) {
-  static const auto h = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+// The op's typed handle, looked up once per (op, signature): kName is the op's name as a
+// character array with static storage, so that two ops of one signature keep separate handles.
+template <typename Sig, const char* kName>
+const c10::TypedOperatorHandle<Sig>& handle() {
+  static const auto h = c10::Dispatcher::singleton().findSchemaOrThrow(kName, "").typed<Sig>();
   return h;
 }
 
 // The op through the dispatcher, below the autograd keys, with the GIL released.
-template <typename Sig, typename... Args>
-auto call_below_autograd(const char* name, const Args&... args) {
+template <typename Sig, const char* kName, typename... Args>
+auto call_below_autograd(const Args&... args) {
   pybind11::gil_scoped_release no_gil;
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return handle<Sig>(name).call(args...);
+  return handle<Sig, kName>().call(args...);
 }
+
+constexpr char kFwd[] = "attention_ext::attention_fwd";
+constexpr char kBwd[] = "attention_ext::attention_bwd";
+constexpr char kKVCacheFwd[] = "attention_ext::attention_kvcache_fwd";
+constexpr char kKVCacheAppend[] = "attention_ext::attention_kvcache_append";
+constexpr char kRotary[] = "attention_ext::attention_rotary";
 
 PyObject* wrap_all(std::initializer_list<at::Tensor> tensors) {
   PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(tensors.size()));
@@ -125,7 +135,7 @@ PyObject* fwd_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count
   const double dropout_p = a.real(11);
   const OptTensor rng_state = a.optional_tensor(12);
   if (a.deferred) Py_RETURN_NONE;
-  const auto [out, lse] = call_below_autograd<FwdSig>("attention_ext::attention_fwd", q, k, v, mask, scale, causal,
+  const auto [out, lse] = call_below_autograd<FwdSig, kFwd>(q, k, v, mask, scale, causal,
                                                       left, right, softcap, alibi, sinks, dropout_p, rng_state);
   return wrap_all({out, lse});
   END_HANDLE_TH_ERRORS
@@ -153,10 +163,71 @@ PyObject* bwd_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count
   const bool mask_grad = a.boolean(17), merged_lse = a.boolean(18);
   if (a.deferred) Py_RETURN_NONE;
   const auto [dq, dk, dv, dmask] =
-      call_below_autograd<BwdSig>("attention_ext::attention_bwd", grad_out, grad_lse, q, k, v, mask, out, lse, scale,
+      call_below_autograd<BwdSig, kBwd>(grad_out, grad_lse, q, k, v, mask, out, lse, scale,
                                   causal, left, right, softcap, alibi, sinks, dropout_p, rng_state, mask_grad,
                                   merged_lse);
   return wrap_all({dq, dk, dv, dmask});
+  END_HANDLE_TH_ERRORS
+}
+
+using KVCacheFwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                          const at::Tensor&, const OptTensor&, const OptTensor&,
+                                                          const OptTensor&, double, int64_t, int64_t, int64_t, double,
+                                                          const OptTensor&);
+using KVCacheAppendSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const OptTensor&, const OptTensor&);
+using RotarySig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool);
+
+// attention_kvcache_fwd(query, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
+// block_table, scale, causal, window_left, window_right, softcap, alibi_slopes) -> (out, lse) | None
+PyObject* kvcache_fwd_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(count == 13, "attention_ext: kvcache_fwd_below_autograd takes 13 arguments, got ", count);
+  if (at::impl::torch_function_mode_enabled()) Py_RETURN_NONE;
+  Args a{items};
+  const at::Tensor q = a.tensor(0), k_cache = a.tensor(1), v_cache = a.tensor(2), seqlens = a.tensor(3);
+  const OptTensor batch_idx = a.optional_tensor(4), leftpad = a.optional_tensor(5), table = a.optional_tensor(6);
+  const double scale = a.real(7);
+  const int64_t causal = a.integer(8), left = a.integer(9), right = a.integer(10);
+  const double softcap = a.real(11);
+  const OptTensor alibi = a.optional_tensor(12);
+  if (a.deferred) Py_RETURN_NONE;
+  const auto [out, lse] =
+      call_below_autograd<KVCacheFwdSig, kKVCacheFwd>(q, k_cache, v_cache, seqlens,
+                                         batch_idx, leftpad, table, scale, causal, left, right, softcap, alibi);
+  return wrap_all({out, lse});
+  END_HANDLE_TH_ERRORS
+}
+
+// attention_kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+// -> () | None: the op returns nothing, the entry an empty tuple (None says "call torch.ops").
+PyObject* kvcache_append_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(count == 7, "attention_ext: kvcache_append_below_autograd takes 7 arguments, got ", count);
+  if (at::impl::torch_function_mode_enabled()) Py_RETURN_NONE;
+  Args a{items};
+  const at::Tensor k_cache = a.tensor(0), v_cache = a.tensor(1), k = a.tensor(2), v = a.tensor(3);
+  const at::Tensor starts = a.tensor(4);
+  const OptTensor batch_idx = a.optional_tensor(5), table = a.optional_tensor(6);
+  if (a.deferred) Py_RETURN_NONE;
+  call_below_autograd<KVCacheAppendSig, kKVCacheAppend>(k_cache, v_cache, k, v, starts,
+                                        batch_idx, table);
+  return PyTuple_New(0);
+  END_HANDLE_TH_ERRORS
+}
+
+// attention_rotary(x, cos, sin, start, per_row, interleaved) -> Tensor | None
+PyObject* rotary_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(count == 6, "attention_ext: rotary_below_autograd takes 6 arguments, got ", count);
+  if (at::impl::torch_function_mode_enabled()) Py_RETURN_NONE;
+  Args a{items};
+  const at::Tensor x = a.tensor(0), cos = a.tensor(1), sin = a.tensor(2), start = a.tensor(3);
+  const bool per_row = a.boolean(4), interleaved = a.boolean(5);
+  if (a.deferred) Py_RETURN_NONE;
+  const at::Tensor rotated =
+      call_below_autograd<RotarySig, kRotary>(x, cos, sin, start, per_row, interleaved);
+  return THPVariable_Wrap(rotated);
   END_HANDLE_TH_ERRORS
 }
 
@@ -165,6 +236,15 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "attention_fwd's arguments; the op below the autograd keys, or None: call torch.ops then."},
     {"bwd_below_autograd", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(bwd_below_autograd)),
      METH_FASTCALL, "attention_bwd's arguments; the op below the autograd keys, or None: call torch.ops then."},
+    {"kvcache_fwd_below_autograd",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(kvcache_fwd_below_autograd)), METH_FASTCALL,
+     "attention_kvcache_fwd's arguments; the op below the autograd keys, or None: call torch.ops then."},
+    {"kvcache_append_below_autograd",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(kvcache_append_below_autograd)), METH_FASTCALL,
+     "attention_kvcache_append's arguments; the op below the autograd keys (an empty tuple), or None: call "
+     "torch.ops then."},
+    {"rotary_below_autograd", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rotary_below_autograd)),
+     METH_FASTCALL, "attention_rotary's arguments; the op below the autograd keys, or None: call torch.ops then."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -317,6 +317,95 @@ def test_torch_function_modes_and_tensor_subclasses_still_see_the_op():
     assert torch.equal(out.as_subclass(torch.Tensor), call_below_autograd(fwd, *op_arguments(q, k, v))[0])
 
 
+def decode_step_arguments(seed=0):
+    """A decode step's op arguments: (query as (batch, kv_heads, groups, n, d), caches as
+    (rows, kv_heads, 1, length, d) views of (rows, length, kv_heads, d) tensors), and the new
+    keys and values with where they go."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 3, 4, 6, generator=g)  # (batch, n, heads, d)
+    k_cache, v_cache = (torch.randn(2, 10, 2, 6, generator=g) for _ in range(2))
+    k_new, v_new = (torch.randn(2, 2, 2, 6, generator=g) for _ in range(2))
+    starts = torch.tensor([3, 5], dtype=torch.int32)
+    return q, k_cache, v_cache, k_new, v_new, starts
+
+
+def test_the_decode_step_s_direct_entries_call_the_ops_and_give_their_bits():
+    """flash_attn_with_kvcache's three ops (the rotary, the append, the attention) through their
+    direct entries: the same results as through torch.ops, the caches written alike."""
+    import pytest
+    direct = direct_entries()
+    ops = torch.ops.attention_ext
+    q, k_cache, v_cache, k_new, v_new, starts = decode_step_arguments()
+    cos, sin = torch.randn(16, 3), torch.randn(16, 3)
+    with torch.no_grad():
+        for per_row, interleaved in ((True, True), (False, False)):
+            want = ops.attention_rotary(q, cos, sin, starts, per_row, interleaved)
+            assert torch.equal(direct.rotary_below_autograd(q, cos, sin, starts, per_row, interleaved), want)
+        caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+        assert direct.kvcache_append_below_autograd(*caches[0], k_new, v_new, starts, None, None) == ()
+        ops.attention_kvcache_append(*caches[1], k_new, v_new, starts, None, None)
+        assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1]))
+        assert not torch.equal(caches[0][0], k_cache)
+        qh = q.permute(0, 2, 1, 3).unflatten(1, (2, 2))  # (batch, kv_heads, groups, n, d)
+        kh, vh = (c.permute(0, 2, 1, 3).unsqueeze(2) for c in caches[0])
+        args = (qh, kh, vh, starts + 2, None, None, None, 0.4, 2, -1, 0, 0.0, None)
+        out, lse = direct.kvcache_fwd_below_autograd(*args)
+        want_out, want_lse = ops.attention_kvcache_fwd(*args)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    with pytest.raises(TypeError, match="takes 13 arguments"):
+        direct.kvcache_fwd_below_autograd(qh, kh, vh)
+    with pytest.raises(RuntimeError, match="overflows the cache") as error:
+        direct.kvcache_append_below_autograd(*caches[0], k_new, v_new, starts + 5, None, None)
+    with pytest.raises(RuntimeError) as expected:
+        ops.attention_kvcache_append(*caches[0], k_new, v_new, starts + 5, None, None)
+    assert str(error.value) == str(expected.value)
+
+
+def test_a_cpu_decode_step_takes_the_direct_entries(monkeypatch):
+    """flash_attn_with_kvcache on CPU tensors calls its three ops through their direct entries (a
+    torch.ops call converts every argument through the schema: microseconds a step)."""
+    from attention_ext import _ops
+    direct_entries()
+    used = []
+    ops = torch.ops.attention_ext
+    for op in (ops.attention_rotary, ops.attention_kvcache_append, ops.attention_kvcache_fwd):
+        entry = _ops._DIRECT_ENTRIES[op]
+        monkeypatch.setitem(_ops._DIRECT_ENTRIES, op, lambda *args, _entry=entry, _op=op: used.append(_op) or
+                            _entry(*args))
+    q, k_cache, v_cache, k_new, v_new, starts = decode_step_arguments(seed=2)
+    cos, sin = torch.randn(16, 3), torch.randn(16, 3)
+    with torch.no_grad():
+        attention_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                              cache_seqlens=starts, causal=True)
+    assert used == [ops.attention_rotary] * 2 + [ops.attention_kvcache_append, ops.attention_kvcache_fwd]
+
+
+def test_a_decode_step_under_a_torch_function_mode_still_shows_its_ops():
+    """The decode step's direct entries step aside under a TorchFunctionMode: the mode sees the
+    rotary, the append and the attention as torch.ops calls, and the step gives the same bits."""
+    from torch.overrides import TorchFunctionMode
+    direct_entries()
+    seen = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k_cache, v_cache, k_new, v_new, starts = decode_step_arguments(seed=1)
+    cos, sin = torch.randn(16, 3), torch.randn(16, 3)
+    results = []
+    for mode in (Recording, None):
+        k_c, v_c = k_cache.clone(), v_cache.clone()
+        with torch.no_grad(), (mode() if mode else torch.no_grad()):
+            out = attention_ext.flash_attn_with_kvcache(q, k_c, v_c, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                                        cache_seqlens=starts, causal=True)
+        results.append((out, k_c, v_c))
+    for name in ("attention_rotary", "attention_kvcache_append", "attention_kvcache_fwd"):
+        assert f"attention_ext.{name}" in seen, name
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_a_dual_level_entered_behind_forward_ad_s_back_is_a_clear_error():
     """The Function saves its tensors for jvp only while torch.autograd.forward_ad has a level
     open; a level entered through torch._C directly (private) is not seen: a clear error, never a
