@@ -1,6 +1,7 @@
 """Where the microseconds of a small call go: our call beside its parts and the floors under them.
 
-    python benchmarks/bench_call_overhead.py [--shape 1x4x1x64x32] [--kv-heads N] [--reps 15] [--out PREFIX]
+    python benchmarks/bench_call_overhead.py [--shape 1x4x1x64x32] [--kv-heads N] [--kvcache] [--reps 15]
+                                             [--out PREFIX]
 
 For one small shape (B×H×n×m×d, fp32, CPU) it times, interleaved in one run (median of --reps
 samples, each a loop of back-to-back calls lasting >= 20 ms):
@@ -22,6 +23,11 @@ With --kv-heads N (a divisor of H), K and V have N heads and ours is called with
 broadcast dim, as the library passes them, and the forward without autograd is also timed through
 torch's SDPA with enable_gqa (a decode step's comparison; subject to the swings above: compare
 the minima too).
+With --kvcache, a fourth group times a decode step through flash_attn_with_kvcache (n new query
+rows against a (B, m, N, d) cache holding m keys, causal): attending alone; appending the n new
+keys and values in place, then attending; the attention op alone (its direct entry, as the call
+makes it); and torch's step over the same cache: SDPA over it (enable_gqa, a view), and writing the
+new rows by slice assignment, then SDPA.
 """
 from __future__ import annotations
 
@@ -82,10 +88,54 @@ class PythonFunctionFloor(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def decode_step_calls(q, kv_heads, m, g):
+    """A decode step's calls (--kvcache): q (B, H, n, d) as n new rows against a (B, m, kv_heads, d)
+    cache whose last n slots take the new keys and values."""
+    from attention_ext import flash_attn_with_kvcache
+    b, h, n, d = q.shape
+    if n > m:
+        raise SystemExit(f"--kvcache needs n <= m (the new rows go into the cache), got n={n}, m={m}")
+    q_tokens = q.transpose(1, 2).contiguous()  # (B, n, H, d)
+    k_cache, v_cache = (torch.randn(b, m, kv_heads, d, generator=g) for _ in range(2))
+    k_new, v_new = (torch.randn(b, n, kv_heads, d, generator=g) for _ in range(2))
+    filled = torch.full((b,), m, dtype=torch.int32)
+    before = torch.full((b,), m - n, dtype=torch.int32)
+    # The op's view of the step (flash_attn_with_kvcache's): query heads (kv_heads, groups), the
+    # caches heads-first with a broadcast dim.
+    q_op = q_tokens.unflatten(2, (kv_heads, h // kv_heads)).permute(0, 2, 3, 1, 4)
+    k_op, v_op = (c.permute(0, 2, 1, 3).unsqueeze(2) for c in (k_cache, v_cache))
+    op_args = (q_op, k_op, v_op, filled, None, None, None, d ** -0.5, 2, -1, 0, 0.0, None)
+    kt, vt = (c.transpose(1, 2) for c in (k_cache, v_cache))  # torch's (B, kv_heads, m, d) views
+
+    def torch_write_then_attend():
+        k_cache[:, m - n:] = k_new
+        v_cache[:, m - n:] = v_new
+        return bench.torch_sdpa_gqa(q, kt, vt)
+
+    def no_grad(fn):
+        def call():
+            with torch.no_grad():
+                return fn()
+        return call
+
+    direct = "direct entry" if _ops._DIRECT_ENTRIES else "torch.ops (JIT build: no direct entry)"
+    return {
+        "ours: attend": no_grad(lambda: flash_attn_with_kvcache(q_tokens, k_cache, v_cache, cache_seqlens=filled,
+                                                                causal=True)),
+        "ours: append n rows, attend": no_grad(lambda: flash_attn_with_kvcache(
+            q_tokens, k_cache, v_cache, k_new, v_new, cache_seqlens=before, causal=True)),
+        f"the attention op alone ({direct})": no_grad(lambda: call_below_autograd(ops.attention_kvcache_fwd,
+                                                                                 *op_args)),
+        "torch: SDPA over the cache": no_grad(lambda: bench.torch_sdpa_gqa(q, kt, vt)),
+        "torch: write n rows (slice assignment), SDPA": no_grad(torch_write_then_attend),
+    }
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1x4x1x64x32", help="BxHxnxmxd")
     ap.add_argument("--kv-heads", type=int, default=None, help="K/V heads (GQA), a divisor of H")
+    ap.add_argument("--kvcache", action="store_true", help="also time a decode step through flash_attn_with_kvcache")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     a = ap.parse_args(argv)
@@ -145,6 +195,8 @@ def main(argv=None):
                                                                                  retain_graph=True),
         },
     }
+    if a.kvcache:
+        groups["decode step against a KV cache, no autograd"] = decode_step_calls(q, kv_heads, m, g)
     load_before = os.getloadavg()
     results = {group: interleaved(fns, a.reps) for group, fns in groups.items()}
     load_after = os.getloadavg()
@@ -154,7 +206,8 @@ def main(argv=None):
         f"- {bench.cpu_name()}; torch {torch.__version__} ({torch.get_num_threads()} threads); attention_ext "
         f"{attention_ext.__version__} cpu_variant=`{attention_ext.cpu_variant()}`",
         f"- command: `python benchmarks/bench_call_overhead.py --shape {a.shape}"
-        + (f" --kv-heads {a.kv_heads}" if a.kv_heads else "") + f" --reps {a.reps}"
+        + (f" --kv-heads {a.kv_heads}" if a.kv_heads else "") + (" --kvcache" if a.kvcache else "")
+        + f" --reps {a.reps}"
         + (f" --out {a.out}`" if a.out else "`"),
         f"- shape {a.shape} (BxHxnxmxd)" + (f", {kv_heads} K/V heads (enable_gqa)" if gqa else "")
         + f"; µs per call, median of {a.reps} interleaved samples (each >= 20 ms of "

@@ -240,6 +240,20 @@ def test_call_overhead_benchmark_times_a_gqa_call_beside_torch_s(tmp_path):
     assert "{" not in text, "a placeholder was left unformatted"
 
 
+def test_call_overhead_benchmark_times_a_decode_step_beside_torch_s(tmp_path):
+    prefix = tmp_path / "step"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_call_overhead.py"), "--shape",
+                           "2x4x1x20x16", "--kv-heads", "2", "--kvcache", "--reps", "1", "--out", str(prefix)],
+                          capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "step.json").read_text())
+    step = result["results"]["decode step against a KV cache, no autograd"]
+    assert {"ours: attend", "ours: append n rows, attend", "torch: SDPA over the cache",
+            "torch: write n rows (slice assignment), SDPA"} < set(step)
+    assert all(row[0] > 0 for row in step.values())
+    assert "--kvcache" in (tmp_path / "step.md").read_text()
+
+
 @pytest.mark.slow_on_emulation
 @pytest.mark.parametrize("kv_cache", [False, True], ids=["heads_major", "kv_cache"])
 def test_decode_in_cache_benchmark_reports_cycles_per_key_at_a_plausible_clock(kv_cache):
