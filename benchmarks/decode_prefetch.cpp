@@ -23,6 +23,12 @@
 // the memory alone (work 0, rows 32 ahead into L2, from DRAM) and both together (from DRAM);
 // overlap = (added − together) / (added − overlapped): 1 if the shorter part hides entirely under
 // the longer, 0 if the two add up.
+//
+// The third table walks the cache in storage order (per chunk of 16 tokens: every head's K rows of
+// the chunk, then every head's V rows, as the kernel reads an interleaved cache) as R ranges of
+// tokens side by side (a chunk of range 0, then of range 1, ...; hardware prefetchers only): more
+// streams in flight for one thread, the scheme that lifts a plain read from one stream's rate to
+// the machine's (the extension's bandwidth probe reads 8 parts per thread side by side).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -97,6 +103,33 @@ void decode_order(int work, long ahead) {
             for (int i = 4; i < kChains; ++i) acc[i] = acc[i] * m + x0;
         }
       }
+  Vec s = acc[0];
+  for (int i = 1; i < kChains; ++i) s += acc[i];
+  sink = total(s);
+}
+
+// Storage order, `ranges` ranges of the tokens side by side (the third table).
+void ranges_side_by_side(int work, long ranges) {
+  constexpr int kChains = 4 + kWorkChains;
+  constexpr long kChunk = 16;
+  Vec acc[kChains];
+  for (auto& a : acc) a = Vec{};
+  Vec m;
+  for (int i = 0; i < kLanes; ++i) m[i] = 0.999f;
+  const long per_range = kTokens / ranges;
+  for (long c = 0; c < per_range; c += kChunk)
+    for (long r = 0; r < ranges; ++r)
+      for (float* x : {key_cache, value_cache})
+        for (long h = 0; h < kHeads; ++h)
+          for (long t = 0; t < kChunk; ++t) {
+            const float* row = x + ((r * per_range + c + t) * kHeads + h) * kDim;
+            const Vec x0 = load(row);
+#pragma GCC unroll 16
+            for (int i = 0; i < kRowVecs; ++i) acc[i % 4] = acc[i % 4] * m + load(row + i * kLanes);
+            for (int w = 0; w < work; ++w)
+#pragma GCC unroll 16
+              for (int i = 4; i < kChains; ++i) acc[i] = acc[i] * m + x0;
+          }
   Vec s = acc[0];
   for (int i = 1; i < kChains; ++i) s += acc[i];
   sink = total(s);
@@ -185,6 +218,15 @@ int main(int argc, char** argv) {
       std::printf("%.2f\n", (added - together) / (added - overlapped));
     else
       std::printf("-\n");
+  }
+
+  std::printf("\nstorage order, R ranges of tokens side by side (hardware prefetch only), GB/s\n");
+  std::printf("%-6s %-6s %-8s %-8s %-8s %-8s\n", "work", "FMAs", "R=1", "R=2", "R=4", "R=8");
+  for (int i = 0; i < 4; ++i) {
+    std::printf("%-6d %-6d", works[i], fmas(works[i]));
+    for (long ranges : {1, 2, 4, 8})
+      std::printf(" %-8.1f", gbps(best_seconds([&] { ranges_side_by_side(works[i], ranges); })));
+    std::printf("\n");
   }
   release();
 }

@@ -297,6 +297,12 @@ def test_decode_prefetch_micro_benchmark_builds_and_fills_its_tables(tmp_path):
     overlap = [line.split() for line in lines[header + 1:header + 5]]
     assert [row[0] for row in overlap] == ["0", "2", "4", "6"]
     assert all(len(row) == 8 and all(float(x) > 0 for x in row[2:7]) for row in overlap)
+    # storage order, ranges side by side: GB/s per work level and range count
+    side = lines.index(next(line for line in lines if line.startswith("storage order, R ranges")))
+    assert lines[side + 1].split() == ["work", "FMAs", "R=1", "R=2", "R=4", "R=8"]
+    ranges = [line.split() for line in lines[side + 2:side + 6]]
+    assert [row[0] for row in ranges] == ["0", "2", "4", "6"]
+    assert all(len(row) == 6 and all(float(x) > 0 for x in row[2:]) for row in ranges)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
