@@ -72,6 +72,30 @@ void stream() {
   sink = total(a + b);
 }
 
+// The work on one row: its vectors consumed by 4 accumulators, then `work` rounds of kWorkChains
+// independent FMAs on registers.
+struct RowWork {
+  static constexpr int kChains = 4 + kWorkChains;
+  Vec acc[kChains] = {};
+  Vec m;
+  RowWork() {
+    for (int i = 0; i < kLanes; ++i) m[i] = 0.999f;
+  }
+  void consume(const float* row, int work) {
+    const Vec x0 = load(row);
+#pragma GCC unroll 16
+    for (int i = 0; i < kRowVecs; ++i) acc[i % 4] = acc[i % 4] * m + load(row + i * kLanes);
+    for (int w = 0; w < work; ++w)
+#pragma GCC unroll 16
+      for (int i = 4; i < kChains; ++i) acc[i] = acc[i] * m + x0;
+  }
+  void finish() const {  // (so that the loads and FMAs are not optimised away)
+    Vec s = acc[0];
+    for (int i = 1; i < kChains; ++i) s += acc[i];
+    sink = total(s);
+  }
+};
+
 enum Scheme { kNone, kNextTile, kAhead };
 
 template <int kLocality>
@@ -81,11 +105,7 @@ inline void fetch_row(const float* row) {
 
 template <Scheme kScheme, int kLocality>
 void decode_order(int work, long ahead) {
-  constexpr int kChains = 4 + kWorkChains;
-  Vec acc[kChains];
-  for (auto& a : acc) a = Vec{};
-  Vec m;
-  for (int i = 0; i < kLanes; ++i) m[i] = 0.999f;
+  RowWork rows;
   for (long j0 = 0; j0 < kTokens; j0 += kTile)
     for (long h = 0; h < kHeads; ++h)
       for (float* x : {key_cache, value_cache}) {
@@ -94,45 +114,23 @@ void decode_order(int work, long ahead) {
           for (long r = 0; r < kTile; ++r) fetch_row<kLocality>(row_at(j0 + kTile + r));
         for (long r = 0; r < kTile; ++r) {
           if (kScheme == kAhead && j0 + r + ahead < kTokens) fetch_row<kLocality>(row_at(j0 + r + ahead));
-          const float* row = row_at(j0 + r);
-          const Vec x0 = load(row);
-#pragma GCC unroll 16
-          for (int i = 0; i < kRowVecs; ++i) acc[i % 4] = acc[i % 4] * m + load(row + i * kLanes);
-          for (int w = 0; w < work; ++w)
-#pragma GCC unroll 16
-            for (int i = 4; i < kChains; ++i) acc[i] = acc[i] * m + x0;
+          rows.consume(row_at(j0 + r), work);
         }
       }
-  Vec s = acc[0];
-  for (int i = 1; i < kChains; ++i) s += acc[i];
-  sink = total(s);
+  rows.finish();
 }
 
 // Storage order, `ranges` ranges of the tokens side by side (the third table).
 void ranges_side_by_side(int work, long ranges) {
-  constexpr int kChains = 4 + kWorkChains;
   constexpr long kChunk = 16;
-  Vec acc[kChains];
-  for (auto& a : acc) a = Vec{};
-  Vec m;
-  for (int i = 0; i < kLanes; ++i) m[i] = 0.999f;
+  RowWork rows;
   const long per_range = kTokens / ranges;
   for (long c = 0; c < per_range; c += kChunk)
     for (long r = 0; r < ranges; ++r)
       for (float* x : {key_cache, value_cache})
         for (long h = 0; h < kHeads; ++h)
-          for (long t = 0; t < kChunk; ++t) {
-            const float* row = x + ((r * per_range + c + t) * kHeads + h) * kDim;
-            const Vec x0 = load(row);
-#pragma GCC unroll 16
-            for (int i = 0; i < kRowVecs; ++i) acc[i % 4] = acc[i % 4] * m + load(row + i * kLanes);
-            for (int w = 0; w < work; ++w)
-#pragma GCC unroll 16
-              for (int i = 4; i < kChains; ++i) acc[i] = acc[i] * m + x0;
-          }
-  Vec s = acc[0];
-  for (int i = 1; i < kChains; ++i) s += acc[i];
-  sink = total(s);
+          for (long t = 0; t < kChunk; ++t) rows.consume(x + ((r * per_range + c + t) * kHeads + h) * kDim, work);
+  rows.finish();
 }
 
 template <typename F>

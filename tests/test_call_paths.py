@@ -286,17 +286,24 @@ def test_arguments_beyond_the_plain_kinds_go_to_torch_ops():
                 assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-def test_torch_function_modes_and_tensor_subclasses_still_see_the_op():
-    """The direct entries step aside (torch.ops takes the call) where __torch_function__ expects
-    to see it: under a TorchFunctionMode and for tensor subclasses."""
+def recording_mode(seen):
+    """A TorchFunctionMode class that appends the name of every function it sees to `seen`."""
     from torch.overrides import TorchFunctionMode
-    direct_entries()
-    seen = []
 
     class Recording(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             seen.append(str(func))
             return func(*args, **(kwargs or {}))
+
+    return Recording
+
+
+def test_torch_function_modes_and_tensor_subclasses_still_see_the_op():
+    """The direct entries step aside (torch.ops takes the call) where __torch_function__ expects
+    to see it: under a TorchFunctionMode and for tensor subclasses."""
+    direct_entries()
+    seen = []
+    Recording = recording_mode(seen)
 
     class Logged(torch.Tensor):
         @classmethod
@@ -383,14 +390,9 @@ def test_a_cpu_decode_step_takes_the_direct_entries(monkeypatch):
 def test_a_decode_step_under_a_torch_function_mode_still_shows_its_ops():
     """The decode step's direct entries step aside under a TorchFunctionMode: the mode sees the
     rotary, the append and the attention as torch.ops calls, and the step gives the same bits."""
-    from torch.overrides import TorchFunctionMode
     direct_entries()
     seen = []
-
-    class Recording(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func))
-            return func(*args, **(kwargs or {}))
+    Recording = recording_mode(seen)
 
     q, k_cache, v_cache, k_new, v_new, starts = decode_step_arguments(seed=1)
     cos, sin = torch.randn(16, 3), torch.randn(16, 3)
