@@ -88,9 +88,9 @@ class PythonFunctionFloor(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def decode_step_calls(q, kv_heads, m, g):
+def decode_step_calls(q, kv_heads, m, g, direct):
     """A decode step's calls (--kvcache): q (B, H, n, d) as n new rows against a (B, m, kv_heads, d)
-    cache whose last n slots take the new keys and values."""
+    cache whose last n slots take the new keys and values; `direct` names the op's path."""
     from attention_ext import flash_attn_with_kvcache
     b, h, n, d = q.shape
     if n > m:
@@ -118,7 +118,6 @@ def decode_step_calls(q, kv_heads, m, g):
                 return fn()
         return call
 
-    direct = "direct entry" if _ops._DIRECT_ENTRIES else "torch.ops (JIT build: no direct entry)"
     return {
         "ours: attend": no_grad(lambda: flash_attn_with_kvcache(q_tokens, k_cache, v_cache, cache_seqlens=filled,
                                                                 causal=True)),
@@ -196,7 +195,7 @@ def main(argv=None):
         },
     }
     if a.kvcache:
-        groups["decode step against a KV cache, no autograd"] = decode_step_calls(q, kv_heads, m, g)
+        groups["decode step against a KV cache, no autograd"] = decode_step_calls(q, kv_heads, m, g, direct)
     load_before = os.getloadavg()
     results = {group: interleaved(fns, a.reps) for group, fns in groups.items()}
     load_after = os.getloadavg()
