@@ -76,6 +76,7 @@ TORCH_LIBRARY(attention_ext, m) {
   // The machine's float32 FMA peak (GFLOP/s, all torch threads), measured by the CPU kernels' code.
   m.def("cpu_fma_peak_gflops(int iterations) -> float", &attention_ext::cpu::fma_peak_gflops);
   m.def("cpu_tile_gemm_gflops(int iterations) -> float", &attention_ext::cpu::tile_gemm_gflops);
+  m.def("cpu_tile_forward_gflops(int iterations) -> float", &attention_ext::cpu::tile_forward_gflops);
   // The streaming read bandwidth (GB/s, all torch threads) over a float32 buffer the caller sizes.
   m.def("cpu_stream_read_gbps(Tensor buffer) -> float", &attention_ext::cpu::stream_read_gbps);
 }

@@ -101,7 +101,8 @@ def test_the_read_probe_reports_a_plausible_rate_and_refuses_what_it_cannot_read
 
 
 @pytest.mark.parametrize("probe, short_iterations", [("cpu_fma_peak_gflops", 2_000_000),
-                                                     ("cpu_tile_gemm_gflops", 2_000)])
+                                                     ("cpu_tile_gemm_gflops", 2_000),
+                                                     ("cpu_tile_forward_gflops", 2_000)])
 def test_cpu_probes_count_their_flops(probe, short_iterations):
     # The probe is timed by the op; a run of 10x the iterations must take longer, not report the
     # same time. On a shared machine a run can only be slowed down, never sped up: the fastest of
@@ -132,6 +133,17 @@ def test_the_tile_gemm_ceiling_is_under_the_fma_peak():
         fma.append(torch.ops.attention_ext.cpu_fma_peak_gflops(2_000_000))
         tile.append(torch.ops.attention_ext.cpu_tile_gemm_gflops(4_000))
     assert 0 < max(tile) <= 1.2 * max(fma)
+
+
+def test_the_forward_tile_ceiling_is_under_the_tile_gemm_ceiling():
+    # The forward-tile probe runs the tile-GEMM probe's two products and the softmax step between
+    # them, and counts the same flops: more instructions for the same count can only be slower.
+    import torch
+    gemm, forward = [], []
+    for _ in range(3):
+        gemm.append(torch.ops.attention_ext.cpu_tile_gemm_gflops(4_000))
+        forward.append(torch.ops.attention_ext.cpu_tile_forward_gflops(4_000))
+    assert 0 < max(forward) <= 1.2 * max(gemm)
 
 
 @pytest.mark.slow_on_emulation

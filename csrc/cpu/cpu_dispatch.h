@@ -29,6 +29,9 @@ double fma_peak_gflops(int64_t iterations);
 // The same for the kernels' own tile GEMM on cache-resident tiles (tile_gemm_probe): the ceiling the
 // attention kernels' GEMMs reach on this machine, reported beside the FMA peak.
 double tile_gemm_gflops(int64_t iterations);
+// The same for the fp32 forward's per-tile work, both GEMMs and the online-softmax step
+// (tile_forward_probe): the ceiling of the forward's rate on this machine, reported beside the two.
+double tile_forward_gflops(int64_t iterations);
 // The streaming read bandwidth in GB/s: every torch thread sums its contiguous share of `buffer`
 // (float32, far larger than the caches for a memory figure) once, as 8 parts read side by side.
 double stream_read_gbps(const at::Tensor& buffer);

@@ -104,6 +104,9 @@ struct KernelTable {
   // Runs `iterations` rounds of the forward's two 64 x 64 x 64 tile GEMMs on cache-resident tiles;
   // returns the flops done (fma_probe.inc). The ceiling the kernels' GEMM reaches on this machine.
   double (*tile_gemm_probe)(int64_t iterations);
+  // The same two GEMMs with the online-softmax step between them, as the fp32 forward runs a tile
+  // (fma_probe.inc): the ceiling of the forward's per-tile work on this machine.
+  double (*tile_forward_probe)(int64_t iterations);
 };
 
 // The amx variant needs GCC's AMX intrinsics (GCC 11; the variants are compiled under
