@@ -123,26 +123,20 @@ def test_cpu_probes_count_their_flops(probe, short_iterations):
         op(0)
 
 
-def test_the_tile_gemm_ceiling_is_under_the_fma_peak():
-    # Both count 2 flops per FMA of the same vectors; a tile GEMM feeds its FMAs from memory, so it
-    # cannot beat independent register chains. Best of three each, interleaved: a preempted run
-    # reads low, and a busy spell of the machine then hits both.
+def test_each_ceiling_is_under_the_one_it_adds_work_to():
+    # FMA peak > tile GEMM > forward tile: all count 2 flops per FMA of the same vectors; the tile
+    # GEMM feeds its FMAs from memory, so it cannot beat independent register chains, and the
+    # forward-tile probe runs the tile GEMM's two products plus the softmax step between them for
+    # the same flop count. Best of three each, interleaved: a preempted run reads low, and a busy
+    # spell of the machine then hits all three.
     import torch
-    fma, tile = [], []
+    ops = torch.ops.attention_ext
+    fma, gemm, forward = [], [], []
     for _ in range(3):
-        fma.append(torch.ops.attention_ext.cpu_fma_peak_gflops(2_000_000))
-        tile.append(torch.ops.attention_ext.cpu_tile_gemm_gflops(4_000))
-    assert 0 < max(tile) <= 1.2 * max(fma)
-
-
-def test_the_forward_tile_ceiling_is_under_the_tile_gemm_ceiling():
-    # The forward-tile probe runs the tile-GEMM probe's two products and the softmax step between
-    # them, and counts the same flops: more instructions for the same count can only be slower.
-    import torch
-    gemm, forward = [], []
-    for _ in range(3):
-        gemm.append(torch.ops.attention_ext.cpu_tile_gemm_gflops(4_000))
-        forward.append(torch.ops.attention_ext.cpu_tile_forward_gflops(4_000))
+        fma.append(ops.cpu_fma_peak_gflops(2_000_000))
+        gemm.append(ops.cpu_tile_gemm_gflops(4_000))
+        forward.append(ops.cpu_tile_forward_gflops(4_000))
+    assert 0 < max(gemm) <= 1.2 * max(fma)
     assert 0 < max(forward) <= 1.2 * max(gemm)
 
 
