@@ -38,12 +38,18 @@ using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, double, int64_t, int64_t, int64_t, double, const OptTensor&,
     const OptTensor&, double, const OptTensor&, bool, bool);
 
-// Arguments in schema order. Anything but the plain kinds (a tensor subclass, a numpy scalar, an
-// int beyond int64, a wrong type) defers the call to torch.ops, which converts it or raises its
-// own error, so the direct entry never answers differently from the op.
+// An entry's arguments in schema order. Anything but the plain kinds (a tensor subclass, a numpy
+// scalar, an int beyond int64, a wrong type) defers the call to torch.ops, which converts it or
+// raises its own error, so the direct entry never answers differently from the op; so does an active
+// torch function mode, which must see the op. A wrong argument count is the caller's bug: a TypeError.
 struct Args {
   PyObject* const* items;
-  bool deferred = false;
+  bool deferred;
+
+  Args(const char* entry, PyObject* const* items_, Py_ssize_t count, Py_ssize_t expected)
+      : items(items_), deferred(at::impl::torch_function_mode_enabled()) {
+    TORCH_CHECK_TYPE(count == expected, "attention_ext: ", entry, " takes ", expected, " arguments, got ", count);
+  }
 
   at::Tensor tensor(int i) {
     PyObject* o = items[i];
@@ -123,9 +129,7 @@ PyObject* wrap_all(std::initializer_list<at::Tensor> tensors) {
 // alibi_slopes, sinks, dropout_p, rng_state) -> (out, lse) | None
 PyObject* fwd_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(count == 13, "attention_ext: fwd_below_autograd takes 13 arguments, got ", count);
-  if (at::impl::torch_function_mode_enabled()) Py_RETURN_NONE;
-  Args a{items};
+  Args a{"fwd_below_autograd", items, count, 13};
   const at::Tensor q = a.tensor(0), k = a.tensor(1), v = a.tensor(2);
   const OptTensor mask = a.optional_tensor(3);
   const double scale = a.real(4);
@@ -135,8 +139,8 @@ PyObject* fwd_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count
   const double dropout_p = a.real(11);
   const OptTensor rng_state = a.optional_tensor(12);
   if (a.deferred) Py_RETURN_NONE;
-  const auto [out, lse] = call_below_autograd<FwdSig, kFwd>(q, k, v, mask, scale, causal,
-                                                      left, right, softcap, alibi, sinks, dropout_p, rng_state);
+  const auto [out, lse] = call_below_autograd<FwdSig, kFwd>(q, k, v, mask, scale, causal, left, right, softcap,
+                                                            alibi, sinks, dropout_p, rng_state);
   return wrap_all({out, lse});
   END_HANDLE_TH_ERRORS
 }
@@ -146,9 +150,7 @@ PyObject* fwd_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count
 // mask_requires_grad, merged_lse) -> (grad_query, grad_key, grad_value, grad_mask) | None
 PyObject* bwd_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(count == 19, "attention_ext: bwd_below_autograd takes 19 arguments, got ", count);
-  if (at::impl::torch_function_mode_enabled()) Py_RETURN_NONE;
-  Args a{items};
+  Args a{"bwd_below_autograd", items, count, 19};
   const at::Tensor grad_out = a.tensor(0);
   const OptTensor grad_lse = a.optional_tensor(1);
   const at::Tensor q = a.tensor(2), k = a.tensor(3), v = a.tensor(4);
@@ -163,9 +165,8 @@ PyObject* bwd_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count
   const bool mask_grad = a.boolean(17), merged_lse = a.boolean(18);
   if (a.deferred) Py_RETURN_NONE;
   const auto [dq, dk, dv, dmask] =
-      call_below_autograd<BwdSig, kBwd>(grad_out, grad_lse, q, k, v, mask, out, lse, scale,
-                                  causal, left, right, softcap, alibi, sinks, dropout_p, rng_state, mask_grad,
-                                  merged_lse);
+      call_below_autograd<BwdSig, kBwd>(grad_out, grad_lse, q, k, v, mask, out, lse, scale, causal, left, right,
+                                        softcap, alibi, sinks, dropout_p, rng_state, mask_grad, merged_lse);
   return wrap_all({dq, dk, dv, dmask});
   END_HANDLE_TH_ERRORS
 }
@@ -182,9 +183,7 @@ using RotarySig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Ten
 // block_table, scale, causal, window_left, window_right, softcap, alibi_slopes) -> (out, lse) | None
 PyObject* kvcache_fwd_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(count == 13, "attention_ext: kvcache_fwd_below_autograd takes 13 arguments, got ", count);
-  if (at::impl::torch_function_mode_enabled()) Py_RETURN_NONE;
-  Args a{items};
+  Args a{"kvcache_fwd_below_autograd", items, count, 13};
   const at::Tensor q = a.tensor(0), k_cache = a.tensor(1), v_cache = a.tensor(2), seqlens = a.tensor(3);
   const OptTensor batch_idx = a.optional_tensor(4), leftpad = a.optional_tensor(5), table = a.optional_tensor(6);
   const double scale = a.real(7);
@@ -193,8 +192,8 @@ PyObject* kvcache_fwd_below_autograd(PyObject*, PyObject* const* items, Py_ssize
   const OptTensor alibi = a.optional_tensor(12);
   if (a.deferred) Py_RETURN_NONE;
   const auto [out, lse] =
-      call_below_autograd<KVCacheFwdSig, kKVCacheFwd>(q, k_cache, v_cache, seqlens,
-                                         batch_idx, leftpad, table, scale, causal, left, right, softcap, alibi);
+      call_below_autograd<KVCacheFwdSig, kKVCacheFwd>(q, k_cache, v_cache, seqlens, batch_idx, leftpad, table,
+                                                      scale, causal, left, right, softcap, alibi);
   return wrap_all({out, lse});
   END_HANDLE_TH_ERRORS
 }
@@ -203,15 +202,12 @@ PyObject* kvcache_fwd_below_autograd(PyObject*, PyObject* const* items, Py_ssize
 // -> () | None: the op returns nothing, the entry an empty tuple (None says "call torch.ops").
 PyObject* kvcache_append_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(count == 7, "attention_ext: kvcache_append_below_autograd takes 7 arguments, got ", count);
-  if (at::impl::torch_function_mode_enabled()) Py_RETURN_NONE;
-  Args a{items};
+  Args a{"kvcache_append_below_autograd", items, count, 7};
   const at::Tensor k_cache = a.tensor(0), v_cache = a.tensor(1), k = a.tensor(2), v = a.tensor(3);
   const at::Tensor starts = a.tensor(4);
   const OptTensor batch_idx = a.optional_tensor(5), table = a.optional_tensor(6);
   if (a.deferred) Py_RETURN_NONE;
-  call_below_autograd<KVCacheAppendSig, kKVCacheAppend>(k_cache, v_cache, k, v, starts,
-                                        batch_idx, table);
+  call_below_autograd<KVCacheAppendSig, kKVCacheAppend>(k_cache, v_cache, k, v, starts, batch_idx, table);
   return PyTuple_New(0);
   END_HANDLE_TH_ERRORS
 }
@@ -219,14 +215,11 @@ PyObject* kvcache_append_below_autograd(PyObject*, PyObject* const* items, Py_ss
 // attention_rotary(x, cos, sin, start, per_row, interleaved) -> Tensor | None
 PyObject* rotary_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(count == 6, "attention_ext: rotary_below_autograd takes 6 arguments, got ", count);
-  if (at::impl::torch_function_mode_enabled()) Py_RETURN_NONE;
-  Args a{items};
+  Args a{"rotary_below_autograd", items, count, 6};
   const at::Tensor x = a.tensor(0), cos = a.tensor(1), sin = a.tensor(2), start = a.tensor(3);
   const bool per_row = a.boolean(4), interleaved = a.boolean(5);
   if (a.deferred) Py_RETURN_NONE;
-  const at::Tensor rotated =
-      call_below_autograd<RotarySig, kRotary>(x, cos, sin, start, per_row, interleaved);
+  const at::Tensor rotated = call_below_autograd<RotarySig, kRotary>(x, cos, sin, start, per_row, interleaved);
   return THPVariable_Wrap(rotated);
   END_HANDLE_TH_ERRORS
 }
