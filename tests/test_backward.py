@@ -108,3 +108,31 @@ def test_only_requested_gradients_are_returned():
     v = rand(2, 6, 4, dtype=torch.float32)
     attention_ext.scaled_dot_product_attention(q, k, v).sum().backward()
     assert q.grad is not None and k.grad is None and v.grad is None
+
+
+def column_strided(t):
+    """The same values stored one column apart (column stride 2), so kernels cannot read rows in place."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t.detach()
+    return wide[..., ::2].requires_grad_(t.requires_grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_backward_shortcuts_change_no_bits(dtype):
+    # On whole tiles the CPU backward reads float Q and dO rows where they are stored (instead of a
+    # packed copy) and, with no mask or modifier, takes P and dS in one pass (instead of a logits
+    # pass, then P, then dS): the same values with the same roundings. Forced off by column strides
+    # (every row copied, delta = rowsum(dO ∘ O) included) and by an all-zero float mask (the
+    # general passes; adding 0 changes no logit), both must give the very same gradients.
+    q, k, v = (rand(1, 2, 128, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, 2, 128, 64, dtype=dtype)
+
+    def grads(q, k, v, grad, **kw):
+        out = attention_ext.attention(q, k, v, **kw)
+        return torch.autograd.grad(out, (q, k, v), grad)
+
+    fast = grads(q, k, v, grad)
+    copied = grads(column_strided(q), k, v, column_strided(grad))
+    zero_mask = grads(q, k, v, grad, attn_mask=torch.zeros(128, 128, dtype=dtype))
+    for a, b, c in zip(fast, copied, zero_mask):
+        assert torch.equal(a, b) and torch.equal(a, c)

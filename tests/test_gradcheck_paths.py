@@ -144,6 +144,23 @@ def test_tiled_forward_gradcheck_bool_mask(force, schedule):
     assert gradcheck(fn, qkv(n, m))
 
 
+@pytest.mark.parametrize("layout", ["heads_outer", "heads_inner"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_tiled_forward_gradcheck_rows_read_in_place(force, schedule, layout):
+    # A whole tile of 64 query rows whose Q and dO rows are float64 vectors already (d = 8, unit
+    # column stride) is read in place by the backward's products, rows a head apart in a
+    # (batch, sequence, heads, d) layout; the partial second query tile goes through the packed
+    # copy. The whole first key tile, with no mask, takes P and dS in one pass; the partial
+    # second one the general passes.
+    force(forward="tiled", backward=schedule)
+    n, m, d = 65, 70, 8
+    if layout == "heads_outer":
+        q, k, v = qkv(n, m, dk=d, dv=d)
+    else:
+        q, k, v = (rand(1, s, 2, d).transpose(1, 2).requires_grad_() for s in (n, m, m))
+    assert gradcheck(with_lse(slice(0, n)), (q, k, v))
+
+
 # The mask's gradient is one kernel (backward_mask) after either schedule: (mask shape, whether
 # every entry is finite-differenced). A full (n, m) mask has 8450 entries: entry by entry only
 # with ATTENTION_EXT_SLOW_TESTS=1, else in one random direction.
