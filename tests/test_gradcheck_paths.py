@@ -147,11 +147,11 @@ def test_tiled_forward_gradcheck_bool_mask(force, schedule):
 @pytest.mark.parametrize("layout", ["heads_outer", "heads_inner"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_tiled_forward_gradcheck_rows_read_in_place(force, schedule, layout):
-    # A whole tile of 64 query rows whose Q and dO rows are float64 vectors already (d = 8, unit
-    # column stride) is read in place by the backward's products, rows a head apart in a
-    # (batch, sequence, heads, d) layout; the partial second query tile goes through the packed
-    # copy. The whole first key tile, with no mask, takes P and dS in one pass; the partial
-    # second one the general passes.
+    # A whole tile of 64 query rows whose Q and dO rows are dense float64 vectors already (d = 8,
+    # unit column stride, rows d apart) is read in place by the backward's products; rows a head
+    # apart in a (batch, sequence, heads, d) layout, and the partial second query tile, go through
+    # the packed copy. The whole first key tile, with no mask, takes P and dS in one pass; the
+    # partial second one the general passes.
     force(forward="tiled", backward=schedule)
     n, m, d = 65, 70, 8
     if layout == "heads_outer":
