@@ -243,6 +243,11 @@ def measure_fma_peak(reps=5, iterations=20_000_000):
     if hasattr(torch.ops.attention_ext, "cpu_tile_forward_gflops"):
         fwd_runs = [torch.ops.attention_ext.cpu_tile_forward_gflops(iterations // 500) for _ in range(reps)]
         res.update(tile_forward_gflops=max(fwd_runs), tile_forward_gflops_runs=fwd_runs)
+    # The fused backward's five products and its P/dS pass on one tile pair: the fp32 backward's
+    # per-tile work in cache (2.5x the forward probe's flops per round, so 2.5x fewer rounds).
+    if hasattr(torch.ops.attention_ext, "cpu_tile_backward_gflops"):
+        bwd_runs = [torch.ops.attention_ext.cpu_tile_backward_gflops(iterations // 1250) for _ in range(reps)]
+        res.update(tile_backward_gflops=max(bwd_runs), tile_backward_gflops_runs=bwd_runs)
     return res
 
 
@@ -462,6 +467,16 @@ def render_markdown(res):
                      f"max, 2^(s - m), sums, O rescaled as the P V product loads it), d = 64, on cache-resident tiles "
                      f"(best of {len(fma['tile_forward_gflops_runs'])}, same threads): the fp32 forward's rate when "
                      f"memory, packing, masking and the loop around the tiles cost nothing")
+        if "tile_backward_gflops" in fma:
+            L.append(f"- **backward-tile ceiling: {fma['tile_backward_gflops']:.1f} GFLOP/s = "
+                     f"{100 * fma['tile_backward_gflops'] / fma['gflops']:.0f}% of the FMA peak**: the fp32 fused "
+                     f"backward's work on one 64x64 tile pair, d = 64 (S = Q K^T, dP = dO V^T, P and dS in one pass, "
+                     f"dV += P^T dO, dK += dS^T Q, dQ += dS K) on tiles held in cache (best of "
+                     f"{len(fma['tile_backward_gflops_runs'])}, same threads): the backward's rate when memory, packing, "
+                     f"masking, the delta and row-shift passes and the loop around the tiles cost nothing (fwd+bwd "
+                     f"runs at most at 3.5 / (1 / forward-tile + 2.5 / backward-tile) = "
+                     f"{3.5 / (1 / fma.get('tile_forward_gflops', fma['tile_backward_gflops']) + 2.5 / fma['tile_backward_gflops']) / fma['gflops'] * 100:.0f}% "
+                     f"of the peak)")
     if bw:
         how = (f"the extension's read probe, each thread reading its share as 8 parts side by side: "
                f"{bw['probe_gbps']:.1f}; torch's sum {bw['torch_sum_gbps']:.1f}; the larger is used"
@@ -663,6 +678,7 @@ def run_device(a, shapes, modes, cands, dtype, reps, min_sample_s, out_prefix):
                                   f"{fma['variant']}), " if fma else "") +
           (f"tile GEMM {fma['tile_gemm_gflops']:.1f} GFLOP/s, " if fma and "tile_gemm_gflops" in fma else "") +
           (f"forward tile {fma['tile_forward_gflops']:.1f} GFLOP/s, " if fma and "tile_forward_gflops" in fma else "") +
+          (f"backward tile {fma['tile_backward_gflops']:.1f} GFLOP/s, " if fma and "tile_backward_gflops" in fma else "") +
           f"streaming read {bandwidth['gbps']:.1f} GB/s, torch.mm {peak['n']}^2 fp32 {peak['gflops_median']:.1f} "
           f"GFLOP/s (best {peak['gflops_best']:.1f})", flush=True)
 

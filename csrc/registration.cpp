@@ -77,6 +77,7 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("cpu_fma_peak_gflops(int iterations) -> float", &attention_ext::cpu::fma_peak_gflops);
   m.def("cpu_tile_gemm_gflops(int iterations) -> float", &attention_ext::cpu::tile_gemm_gflops);
   m.def("cpu_tile_forward_gflops(int iterations) -> float", &attention_ext::cpu::tile_forward_gflops);
+  m.def("cpu_tile_backward_gflops(int iterations) -> float", &attention_ext::cpu::tile_backward_gflops);
   // The streaming read bandwidth (GB/s, all torch threads) over a float32 buffer the caller sizes.
   m.def("cpu_stream_read_gbps(Tensor buffer) -> float", &attention_ext::cpu::stream_read_gbps);
 }

@@ -102,7 +102,8 @@ def test_the_read_probe_reports_a_plausible_rate_and_refuses_what_it_cannot_read
 
 @pytest.mark.parametrize("probe, short_iterations", [("cpu_fma_peak_gflops", 2_000_000),
                                                      ("cpu_tile_gemm_gflops", 2_000),
-                                                     ("cpu_tile_forward_gflops", 2_000)])
+                                                     ("cpu_tile_forward_gflops", 2_000),
+                                                     ("cpu_tile_backward_gflops", 800)])
 def test_cpu_probes_count_their_flops(probe, short_iterations):
     # The probe is timed by the op; a run of 10x the iterations must take longer, not report the
     # same time. On a shared machine a run can only be slowed down, never sped up: the fastest of
@@ -124,20 +125,23 @@ def test_cpu_probes_count_their_flops(probe, short_iterations):
 
 
 def test_each_ceiling_is_under_the_one_it_adds_work_to():
-    # FMA peak > tile GEMM > forward tile: all count 2 flops per FMA of the same vectors; the tile
-    # GEMM feeds its FMAs from memory, so it cannot beat independent register chains, and the
-    # forward-tile probe runs the tile GEMM's two products plus the softmax step between them for
-    # the same flop count. Best of three each, interleaved: a preempted run reads low, and a busy
-    # spell of the machine then hits all three.
+    # FMA peak > tile GEMM > forward tile, and tile GEMM > backward tile: all count 2 flops per FMA
+    # of the same vectors; the tile GEMM feeds its FMAs from memory, so it cannot beat independent
+    # register chains, and the forward-tile and backward-tile probes run the same GEMM's products
+    # (two, five) plus the elementwise work between them (the online-softmax step; P and dS) for
+    # the products' flop count. Best of three each, interleaved: a preempted run reads low, and a
+    # busy spell of the machine then hits all four.
     import torch
     ops = torch.ops.attention_ext
-    fma, gemm, forward = [], [], []
+    fma, gemm, forward, backward = [], [], [], []
     for _ in range(3):
         fma.append(ops.cpu_fma_peak_gflops(2_000_000))
         gemm.append(ops.cpu_tile_gemm_gflops(4_000))
         forward.append(ops.cpu_tile_forward_gflops(4_000))
+        backward.append(ops.cpu_tile_backward_gflops(1_600))
     assert 0 < max(gemm) <= 1.2 * max(fma)
     assert 0 < max(forward) <= 1.2 * max(gemm)
+    assert 0 < max(backward) <= 1.2 * max(gemm)
 
 
 @pytest.mark.slow_on_emulation

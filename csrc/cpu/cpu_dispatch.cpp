@@ -230,6 +230,10 @@ double tile_forward_gflops(int64_t iterations) {
   return probe_gflops(active_kernels().tile_forward_probe, iterations);
 }
 
+double tile_backward_gflops(int64_t iterations) {
+  return probe_gflops(active_kernels().tile_backward_probe, iterations);
+}
+
 namespace {
 // Sums count floats as kStreams consecutive parts read side by side (count a multiple of
 // 32·kStreams), into eight independent 16-byte accumulators: loads far faster than memory feeds

@@ -32,6 +32,9 @@ double tile_gemm_gflops(int64_t iterations);
 // The same for the fp32 forward's per-tile work, both GEMMs and the online-softmax step
 // (tile_forward_probe): the ceiling of the forward's rate on this machine, reported beside the two.
 double tile_forward_gflops(int64_t iterations);
+// The same for the fp32 backward's per-tile work, its five products and the P/dS pass
+// (tile_backward_probe): the ceiling of the backward's rate on this machine.
+double tile_backward_gflops(int64_t iterations);
 // The streaming read bandwidth in GB/s: every torch thread sums its contiguous share of `buffer`
 // (float32, far larger than the caches for a memory figure) once, as 8 parts read side by side.
 double stream_read_gbps(const at::Tensor& buffer);

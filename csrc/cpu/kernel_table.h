@@ -107,6 +107,9 @@ struct KernelTable {
   // The same two GEMMs with the online-softmax step between them, as the fp32 forward runs a tile
   // (fma_probe.inc): the ceiling of the forward's per-tile work on this machine.
   double (*tile_forward_probe)(int64_t iterations);
+  // The fused backward's five products and its P/dS pass on one 64 x 64 tile pair, as the fp32
+  // backward runs a plain tile (backward_probe.inc): the ceiling of the backward's per-tile work.
+  double (*tile_backward_probe)(int64_t iterations);
 };
 
 // The amx variant needs GCC's AMX intrinsics (GCC 11; the variants are compiled under
