@@ -237,16 +237,16 @@ def measure_fma_peak(reps=5, iterations=20_000_000):
     # The kernels' own tile GEMM on cache-resident tiles (csrc/cpu/fma_probe.inc): the ceiling of their
     # GEMMs on this machine, so a table shows how much of the distance to the FMA peak is the GEMM's.
     if hasattr(torch.ops.attention_ext, "cpu_tile_gemm_gflops"):
-        gemm_runs = [torch.ops.attention_ext.cpu_tile_gemm_gflops(iterations // 500) for _ in range(reps)]
+        gemm_runs = [torch.ops.attention_ext.cpu_tile_gemm_gflops(max(1, iterations // 500)) for _ in range(reps)]
         res.update(tile_gemm_gflops=max(gemm_runs), tile_gemm_gflops_runs=gemm_runs)
     # The same GEMMs with the online-softmax step between them: the fp32 forward's per-tile work in cache.
     if hasattr(torch.ops.attention_ext, "cpu_tile_forward_gflops"):
-        fwd_runs = [torch.ops.attention_ext.cpu_tile_forward_gflops(iterations // 500) for _ in range(reps)]
+        fwd_runs = [torch.ops.attention_ext.cpu_tile_forward_gflops(max(1, iterations // 500)) for _ in range(reps)]
         res.update(tile_forward_gflops=max(fwd_runs), tile_forward_gflops_runs=fwd_runs)
     # The fused backward's five products and its P/dS pass on one tile pair: the fp32 backward's
     # per-tile work in cache (2.5x the forward probe's flops per round, so 2.5x fewer rounds).
     if hasattr(torch.ops.attention_ext, "cpu_tile_backward_gflops"):
-        bwd_runs = [torch.ops.attention_ext.cpu_tile_backward_gflops(iterations // 1250) for _ in range(reps)]
+        bwd_runs = [torch.ops.attention_ext.cpu_tile_backward_gflops(max(1, iterations // 1250)) for _ in range(reps)]
         res.update(tile_backward_gflops=max(bwd_runs), tile_backward_gflops_runs=bwd_runs)
     return res
 

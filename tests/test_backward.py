@@ -122,10 +122,12 @@ def test_backward_shortcuts_change_no_bits(dtype):
     # On whole tiles the CPU backward reads float Q and dO rows where they are stored (instead of a
     # packed copy) and, with no mask or modifier, takes P and dS in one pass (instead of a logits
     # pass, then P, then dS): the same values with the same roundings. Forced off by column strides
-    # (every row copied, delta = rowsum(dO ∘ O) included) and by an all-zero float mask (the
-    # general passes; adding 0 changes no logit), both must give the very same gradients.
-    q, k, v = (rand(1, 2, 128, 64, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(1, 2, 128, 64, dtype=dtype)
+    # (Q and dO rows copied, and delta = rowsum(dO ∘ O) then reads dO's copy) and by an all-zero
+    # float mask (the general passes; adding 0 changes no logit), both must give the very same
+    # gradients. 132 query rows: two whole tiles and a short one of 4 rows, read in place too.
+    q = rand(1, 2, 132, 64, dtype=dtype, requires_grad=True)
+    k, v = (rand(1, 2, 128, 64, dtype=dtype, requires_grad=True) for _ in range(2))
+    grad = torch.randn(1, 2, 132, 64, dtype=dtype)
 
     def grads(q, k, v, grad, **kw):
         out = attention_ext.attention(q, k, v, **kw)
@@ -133,6 +135,6 @@ def test_backward_shortcuts_change_no_bits(dtype):
 
     fast = grads(q, k, v, grad)
     copied = grads(column_strided(q), k, v, column_strided(grad))
-    zero_mask = grads(q, k, v, grad, attn_mask=torch.zeros(128, 128, dtype=dtype))
+    zero_mask = grads(q, k, v, grad, attn_mask=torch.zeros(132, 128, dtype=dtype))
     for a, b, c in zip(fast, copied, zero_mask):
         assert torch.equal(a, b) and torch.equal(a, c)
