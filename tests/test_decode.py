@@ -213,15 +213,27 @@ def test_decode_gqa_low_precision_and_thread_count(n):
     assert_close_to_reference(results[0], ref, torch.bfloat16, budget=budget)
 
 
+# The CPU variants whose vectors hold 16 fp32 lanes (AVX-512): their fp32 decode takes a K/V head's
+# rows four at a time in an order of its own (interleaved; csrc/cpu/forward_decode.inc).
+SIXTEEN_LANES = {"amx", "avx512bf16", "avx512"}
+
+
+def four_rows_interleaved(cpu_variant, dtype):
+    return cpu_variant in SIXTEEN_LANES and dtype == torch.float32
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("groups", [4, 2])  # four rows share each key vector; two: row by row
+@pytest.mark.parametrize("groups", [4, 3, 2])  # four rows share each key vector; two, three: row by row
 @pytest.mark.parametrize("m", [70, 200])  # whole vectors of keys and a few more; one key range
 def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant, dtype, groups, m):
     """Each logit is one dot product summed in one fixed order, whichever other query rows share
-    the call (one row, or a GQA group's two or four: fp16/bf16 K read in place for four, packed
-    for two; V in place through the GEMM for both). (Where its key falls in the tile:
-    test_kv_cache's paged-against-contiguous test.) Not for bf16 groups of 8 rows or more in the
-    amx variant, whose products run on AMX tiles (test_decode_bf16_groups_on_tiles_...)."""
+    the call (one row, or a GQA group's two to four: fp16/bf16 K read in place for four, packed
+    for two and three; V in place through the GEMM). (Where its key falls in the tile:
+    test_kv_cache's paged-against-contiguous test.) Not for fp32 groups of four or more on
+    16-lane vectors, which take their own order (the next test), nor for bf16 groups of 8 rows
+    or more in the amx variant, whose products run on AMX tiles (test_decode_bf16_groups_on_tiles_...)."""
+    if groups >= 4 and four_rows_interleaved(cpu_variant, dtype):
+        pytest.skip("fp32 groups of four on 16-lane vectors: test_decode_fp32_rows_four_at_a_time_...")
     g = torch.Generator().manual_seed(m)
     q = torch.randn(1, groups, 1, 64, generator=g).to(dtype)
     k, v = (torch.randn(1, 1, m, 64, generator=g).to(dtype) for _ in range(2))
@@ -229,6 +241,35 @@ def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant
     for h in range(groups):
         alone, alone_lse = attention(q[:, h:h + 1], k, v, return_lse=True)
         assert torch.equal(alone, grouped[:, h:h + 1]) and torch.equal(alone_lse, grouped_lse[:, h:h + 1]), h
+
+
+@pytest.mark.parametrize("m", [70, 203])  # whole vectors of keys, then single keys; one key range
+def test_decode_fp32_rows_four_at_a_time_give_each_row_one_order(cpu_variant, m):
+    """fp32 on 16-lane vectors: a K/V head with four or more query rows (a GQA group, several
+    rows of one head, or both) sums each logit as four partial sums over d mod 4, in d order,
+    added pairwise, with no horizontal sums (dot_four_rows_interleaved). A row's bits are then
+    the same in a group of 4, 5, 6 or 8 rows and whatever its place in the group (the last group
+    of 5 or 6 is padded with zero rows, never stored), and close to the one-row order's. Fewer
+    rows (1 to 3) keep the one-row order: the test above."""
+    g = torch.Generator().manual_seed(m)
+    q = torch.randn(1, 8, 1, 64, generator=g)
+    k, v = (torch.randn(1, 1, m, 64, generator=g) for _ in range(2))
+    eight, eight_lse = attention(q, k, v, enable_gqa=True, return_lse=True)
+    for size, first in [(4, 0), (4, 4), (5, 3), (6, 2)]:
+        part, part_lse = attention(q[:, first:first + size], k, v, enable_gqa=True, return_lse=True)
+        assert torch.equal(part, eight[:, first:first + size]), (size, first)
+        assert torch.equal(part_lse, eight_lse[:, first:first + size]), (size, first)
+    # The same rows as four query rows of one head: the same logits, so the same bits.
+    rows, rows_lse = attention(q[:, :4].transpose(1, 2), k, v, return_lse=True)
+    assert torch.equal(rows, eight[:, :4].transpose(1, 2)) and torch.equal(rows_lse, eight_lse[:, :4].transpose(1, 2))
+    alone = torch.cat([attention(q[:, h:h + 1], k, v) for h in range(8)], 1)
+    if four_rows_interleaved(cpu_variant, torch.float32):
+        assert not torch.equal(alone, eight), "the four-row order gave the one-row order's bits"
+    else:
+        assert torch.equal(alone, eight)
+    ref = attention_reference(q.double(), k.double(), v.double(), enable_gqa=True)[0]
+    assert_close_to_reference(eight, ref, torch.float32)
+    assert_close_to_reference(alone, ref, torch.float32)
 
 
 STORAGE_ORDER = [(2, 2, 1), (8, 2, 1), (4, 2, 2), (4, 4, 4), (2, 2, 3), (8, 2, 2), (6, 2, 3)]
