@@ -214,7 +214,8 @@ def test_decode_gqa_low_precision_and_thread_count(n):
 
 
 # The CPU variants whose vectors hold 16 fp32 lanes (AVX-512): their fp32 decode takes a K/V head's
-# rows four at a time in an order of its own (interleaved; csrc/cpu/forward_decode.inc).
+# rows four at a time in an order of its own (interleaved; csrc/cpu/forward_decode.inc, where
+# kInterleavedRows says which variants: those built with ATTN_VEC_BYTES == 64).
 SIXTEEN_LANES = {"amx", "avx512bf16", "avx512"}
 
 
@@ -249,8 +250,10 @@ def test_decode_fp32_rows_four_at_a_time_give_each_row_one_order(cpu_variant, m)
     rows of one head, or both) sums each logit as four partial sums over d mod 4, in d order,
     added pairwise, with no horizontal sums (dot_four_rows_interleaved). A row's bits are then
     the same in a group of 4, 5, 6 or 8 rows and whatever its place in the group (the last group
-    of 5 or 6 is padded with zero rows, never stored), and close to the one-row order's. Fewer
-    rows (1 to 3) keep the one-row order: the test above."""
+    of 5 or 6 is padded with zero rows), and close to the one-row order's. Fewer
+    rows (1 to 3) keep the one-row order: the test above. (Several K/V heads walked together,
+    with rows padded to four: test_decode_interleaved_heads_..., 6q2kv_n3; a key in a block of
+    eight or taken alone: test_kv_cache's paged-against-contiguous test.)"""
     g = torch.Generator().manual_seed(m)
     q = torch.randn(1, 8, 1, 64, generator=g)
     k, v = (torch.randn(1, 1, m, 64, generator=g) for _ in range(2))
