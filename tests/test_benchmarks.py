@@ -345,3 +345,18 @@ def test_exp2_throughput_micro_benchmark_builds_and_reports(tmp_path):
     # the kernels' form (reduce) gives the previous form's bits; the floor form does not
     assert rows["round"][3] == "yes" and rows["reduce"][3] == "yes" and rows["floor"][3] == "no"
     assert float(rows["reduce"][2]) < 1.0 < float(rows["floor"][2]) < 1.5
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_amx_tile_throughput_micro_benchmark_builds_and_reports(tmp_path):
+    lines = _build_and_run_micro_benchmark(tmp_path, "amx_tile_throughput", ["-O2", "-mamx-tile", "-mamx-bf16"], "3")
+    if len(lines) == 1 and lines[0].endswith("nothing to measure"):
+        assert "amx_bf16" not in cpuinfo().get("flags", "").split() or "refused" in lines[0], lines[0]
+        pytest.skip(lines[0])
+    assert len(lines) == 4, lines
+    assert lines[0].startswith("TDPBF16PS") and lines[1].startswith("tile load")
+    assert float(lines[0].split(":")[1].split()[0]) > 0 and float(lines[1].split(":")[1].split()[0]) > 0
+    for line, rows in zip(lines[2:], (16, 32)):
+        assert line.startswith(f"S for {rows} rows x 64 keys, d = 128"), line
+        times = [float(x) for x in re.findall(r"([0-9.]+) ns", line)]
+        assert len(times) == 2 and all(t > 0 for t in times), line
