@@ -61,48 +61,37 @@ __attribute__((noinline)) void loads_alone() {
   }
 }
 
-// S for 16 rows: per 32 key columns, 1 x 2 blocks over the 4 pair steps.
-__attribute__((noinline)) void scores_16_rows() {
+// S for 16 rows (1 x 2 tile blocks) or 32 (kTwoRowBlocks: 2 x 2), per 32 key columns over the 4
+// pair steps (the tile numbers are instruction immediates, hence the constant branches).
+template <bool kTwoRowBlocks>
+__attribute__((noinline)) void scores_rows() {
   const char* a = reinterpret_cast<const char*>(q_pairs);
   const char* b = reinterpret_cast<const char*>(kt_pairs[tile_index]);
   for (int j = 0; j < kKeys; j += 32) {
     _tile_zero(0);
     _tile_zero(1);
+    if (kTwoRowBlocks) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
     for (int s = 0; s < kPairs / 16; ++s) {
       _tile_loadd(4, a + s * 64, kPairs * 4);
       _tile_loadd(6, b + (s * 16 * kKeys + j) * 4, kKeys * 4);
       _tile_loadd(7, b + (s * 16 * kKeys + j) * 4 + 64, kKeys * 4);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 4, 7);
+      if (kTwoRowBlocks) {
+        _tile_loadd(5, a + 16 * kPairs * 4 + s * 64, kPairs * 4);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
     }
     _tile_stored(0, scores + j, kKeys * 4);
     _tile_stored(1, scores + j + 16, kKeys * 4);
-  }
-}
-
-// S for 32 rows: per 32 key columns, 2 x 2 blocks.
-__attribute__((noinline)) void scores_32_rows() {
-  const char* a = reinterpret_cast<const char*>(q_pairs);
-  const char* b = reinterpret_cast<const char*>(kt_pairs[tile_index]);
-  for (int j = 0; j < kKeys; j += 32) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int s = 0; s < kPairs / 16; ++s) {
-      _tile_loadd(4, a + s * 64, kPairs * 4);
-      _tile_loadd(6, b + (s * 16 * kKeys + j) * 4, kKeys * 4);
-      _tile_loadd(7, b + (s * 16 * kKeys + j) * 4 + 64, kKeys * 4);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(5, a + 16 * kPairs * 4 + s * 64, kPairs * 4);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+    if (kTwoRowBlocks) {
+      _tile_stored(2, scores + 16 * kKeys + j, kKeys * 4);
+      _tile_stored(3, scores + 16 * kKeys + j + 16, kKeys * 4);
     }
-    _tile_stored(0, scores + j, kKeys * 4);
-    _tile_stored(1, scores + j + 16, kKeys * 4);
-    _tile_stored(2, scores + 16 * kKeys + j, kKeys * 4);
-    _tile_stored(3, scores + 16 * kKeys + j + 16, kKeys * 4);
   }
 }
 
@@ -153,9 +142,9 @@ int main(int argc, char** argv) {
   std::printf("TDPBF16PS, four independent C tiles:   %6.2f ns per product\n", products);
   std::printf("tile load (16 x 64 bytes) from L1:     %6.2f ns per load\n", loads);
   std::printf("S for 16 rows x 64 keys, d = 128 (1 x 2 blocks, 16 products): Kt in L1 %6.1f ns, in L2 %6.1f ns "
-              "(products alone %.1f)\n", best_ns(scores_16_rows, false), best_ns(scores_16_rows, true), 16 * products);
+              "(products alone %.1f)\n", best_ns(scores_rows<false>, false), best_ns(scores_rows<false>, true), 16 * products);
   std::printf("S for 32 rows x 64 keys, d = 128 (2 x 2 blocks, 32 products): Kt in L1 %6.1f ns, in L2 %6.1f ns "
-              "(products alone %.1f)\n", best_ns(scores_32_rows, false), best_ns(scores_32_rows, true), 32 * products);
+              "(products alone %.1f)\n", best_ns(scores_rows<true>, false), best_ns(scores_rows<true>, true), 32 * products);
   _tile_release();
   return 0;
 }
