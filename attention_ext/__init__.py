@@ -61,7 +61,8 @@ __all__ = [
 
 def build_info() -> dict:
     """How this build was made and what it runs: torch version built against and running,
-    compiler, OpenMP, CPU kernel variants (compiled, supported, active), CUDA and its archs."""
+    compiler, OpenMP, CPU kernel variants (compiled, supported, active, and the active one's
+    vector width in bytes, cpu_vector_bytes), CUDA and its archs."""
     info = {}
     for line in torch.ops.attention_ext.build_info().strip().splitlines():
         key, _, value = line.partition("=")

@@ -33,6 +33,7 @@ std::string build_info() {
   os << "cpu_variants_supported=" << c10::Join(",", cpu::supported_variants()) << "\n";
   os << "cpu_variant_auto=" << cpu::auto_variant() << "\n";
   os << "cpu_variant=" << cpu::active_kernels().name << "\n";
+  os << "cpu_vector_bytes=" << cpu::active_kernels().vector_bytes << "\n";
   os << "amx_tile_state=" << cpu::amx_tile_state() << "\n";
 #if defined(ATTENTION_EXT_WITH_CUDA)
   os << "cuda=1\n";

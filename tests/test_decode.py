@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import attention_ext
 from attention_ext import attention, draw_rng_state, dropout_mask, scaled_dot_product_attention
 from attention_ext.reference import attention_reference
 
@@ -213,14 +214,11 @@ def test_decode_gqa_low_precision_and_thread_count(n):
     assert_close_to_reference(results[0], ref, torch.bfloat16, budget=budget)
 
 
-# The CPU variants whose vectors hold 16 fp32 lanes (AVX-512): their fp32 decode takes a K/V head's
-# rows four at a time in an order of its own (interleaved; csrc/cpu/forward_decode.inc, where
-# kInterleavedRows says which variants: those built with ATTN_VEC_BYTES == 64).
-SIXTEEN_LANES = {"amx", "avx512bf16", "avx512"}
-
-
-def four_rows_interleaved(cpu_variant, dtype):
-    return cpu_variant in SIXTEEN_LANES and dtype == torch.float32
+def four_rows_interleaved(dtype):
+    """Whether the active variant's fp32 decode takes a K/V head's rows four at a time in an order
+    of its own (interleaved; csrc/cpu/forward_decode.inc's kInterleavedRows): on 64-byte vectors,
+    16 fp32 lanes, as build_info() reports the variant's width."""
+    return attention_ext.build_info()["cpu_vector_bytes"] == "64" and dtype == torch.float32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
@@ -233,7 +231,7 @@ def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant
     test_kv_cache's paged-against-contiguous test.) Not for fp32 groups of four or more on
     16-lane vectors, which take their own order (the next test), nor for bf16 groups of 8 rows
     or more in the amx variant, whose products run on AMX tiles (test_decode_bf16_groups_on_tiles_...)."""
-    if groups >= 4 and four_rows_interleaved(cpu_variant, dtype):
+    if groups >= 4 and four_rows_interleaved(dtype):
         pytest.skip("fp32 groups of four on 16-lane vectors: test_decode_fp32_rows_four_at_a_time_...")
     g = torch.Generator().manual_seed(m)
     q = torch.randn(1, groups, 1, 64, generator=g).to(dtype)
@@ -266,7 +264,7 @@ def test_decode_fp32_rows_four_at_a_time_give_each_row_one_order(cpu_variant, m)
     rows, rows_lse = attention(q[:, :4].transpose(1, 2), k, v, return_lse=True)
     assert torch.equal(rows, eight[:, :4].transpose(1, 2)) and torch.equal(rows_lse, eight_lse[:, :4].transpose(1, 2))
     alone = torch.cat([attention(q[:, h:h + 1], k, v) for h in range(8)], 1)
-    if four_rows_interleaved(cpu_variant, torch.float32):
+    if four_rows_interleaved(torch.float32):
         assert not torch.equal(alone, eight), "the four-row order gave the one-row order's bits"
     else:
         assert torch.equal(alone, eight)

@@ -213,6 +213,15 @@ def test_auto_takes_amx_where_granted_else_the_bf16_dot_variant_only_on_amd():
 
 
 @pytest.mark.cpu_kernels
+def test_build_info_reports_the_active_variants_vector_width(cpu_variant):
+    # 64-byte vectors for the AVX-512 variants, 32 for AVX2, 16 for the portable one (SSE2 on
+    # x86-64, NEON on arm64): the width some summation orders follow (test_decode's fp32 rows four
+    # at a time), so it follows set_cpu_variant.
+    expected = {"amx": "64", "avx512bf16": "64", "avx512": "64", "avx2": "32", "generic": "16"}
+    assert attention_ext.build_info()["cpu_vector_bytes"] == expected[cpu_variant]
+
+
+@pytest.mark.cpu_kernels
 def test_amx_is_supported_exactly_where_the_cpu_has_amx_bf16():
     # The variant needs AMX-TILE and AMX-BF16 (and the kernel's grant of the tile state, which a
     # Linux with AMX support gives): a CPU listing both flags gets it, one without never does.

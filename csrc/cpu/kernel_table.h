@@ -72,6 +72,10 @@ using ItemFn = void (*)(const AttentionParams&, int64_t begin, int64_t end);
 
 struct KernelTable {
   const char* name;
+  // The variant's vector width in bytes (its ATTN_VEC_BYTES: 64 AVX-512, 32 AVX2, 16 SSE2/NEON).
+  // Some summation orders follow it (fp32 decode rows four at a time on 64-byte vectors), so
+  // build_info() reports it for tests and users who compare bits across variants.
+  int vector_bytes;
   // items: batch_numel * ceil(n / kBlockM). Writes out, lse.
   ItemFn forward;
   // Decode forward, n <= kDecodeRows: items = batch_numel / decode_grouping(p).heads() * kv_splits,
