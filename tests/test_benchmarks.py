@@ -280,15 +280,15 @@ def test_decode_in_cache_benchmark_reports_cycles_per_key_at_a_plausible_clock(k
     assert 0 < ghz < 7, proc.stdout
 
 
-def _build_and_run_micro_benchmark(tmp_path, name, flags, arg):
-    """Compiles benchmarks/<name>.cpp with g++ (warnings as errors) and runs it with one argument;
+def _build_and_run_micro_benchmark(tmp_path, name, flags, *args):
+    """Compiles benchmarks/<name>.cpp with g++ (warnings as errors) and runs it with the arguments;
     returns its stdout's lines."""
     exe = tmp_path / name
     build = subprocess.run(["g++", *flags, "-Wall", "-Werror", "-o", str(exe),
                             os.path.join(ROOT, "benchmarks", name + ".cpp")],
                            capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-4000:]
-    proc = subprocess.run([str(exe), arg], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.splitlines()
 
@@ -313,6 +313,25 @@ def test_decode_prefetch_micro_benchmark_builds_and_fills_its_tables(tmp_path):
     ranges = [line.split() for line in lines[side + 2:side + 6]]
     assert [row[0] for row in ranges] == ["0", "2", "4", "6"]
     assert all(len(row) == 6 and all(float(x) > 0 for x in row[2:]) for row in ranges)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_decode_overlap_micro_benchmark_builds_and_fills_its_table(tmp_path):
+    lines = _build_and_run_micro_benchmark(tmp_path, "decode_overlap", ["-O3", "-march=native", "-fopenmp"], "2", "256")
+    if len(lines) == 1 and lines[0].endswith("nothing to time"):
+        pytest.skip(lines[0])
+    assert lines[0].startswith("2 thread(s), each with 256 tokens x 8 heads x d 64")
+    read = re.search(r"median of 7\): ([0-9.]+) GB/s before the table, ([0-9.]+)", lines[1])
+    assert read and float(read.group(1)) > 0 and float(read.group(2)) > 0, lines[1]
+    assert lines[3].split() == ["order", "work", "memory", "together", "GB/s", "%", "of", "read", "overlap"]
+    rows = lines[4:9]
+    assert [row.split()[0] for row in rows] == ["kernel,"] * 4 + ["sequential"]
+    for row in rows:
+        work, memory, together, gbps, share, overlap = (float(x) for x in row.split()[-6:])
+        assert work > 0 and memory > 0 and together > 0 and gbps > 0 and share > 0, row
+        # (from the printed values, each rounded to 0.01)
+        assert abs(overlap - (work + memory - together) / min(work, memory)) <= 0.02 / min(work, memory) + 0.006, row
+    assert len(lines) == 9
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")

@@ -1,0 +1,339 @@
+// Isolated micro-benchmark: the GQA decode's own inner loops reading a K/V cache from DRAM. Does
+// the memory time hide under the work, or do the two add up; and does a read order, a prefetch
+// scheme or huge pages change that? This is the ceiling the decode forward meets on a machine
+// where they add up (benchmarks/README.md).
+//
+//   g++ -O3 -march=native -fopenmp -o /tmp/decode_overlap benchmarks/decode_overlap.cpp
+//   /tmp/decode_overlap [threads, default all] [tokens, default 32768]
+//
+// Each thread reads its own fp32 cache, (tokens, 8 K/V heads, d = 64) for K and again for V, 64 MiB
+// each at 32768 tokens, past the caches. The work is forward_decode.inc's for four query rows per
+// K/V head (GQA with four query heads per K/V head, one row each):
+//   scores: the four rows' dot products with eight keys at a time, the rows interleaved by four
+//           lanes and each key's four elements broadcast to them (dot_four_rows_eight_keys);
+//   values: O (4 rows x 64) += P V with O in 16 registers (the 4x4 register block of gemm_block);
+// the softmax in between is left out (a scale of the scores), so the work is a lower bound of the
+// kernel's. Orders:
+//   kernel      per tile of 64 tokens, per chunk of 16: each head's K rows of the chunk (2 KiB
+//               apart), then the chunk's V rows head by head (storage order, as the kernel reads a
+//               (tokens, heads, d) cache); software prefetch of the rows 32 tokens ahead, every
+//               head's span of a token at once, into L2 (PREFETCHT2, as the kernel), or none, or
+//               128 ahead, or with the caches on transparent huge pages;
+//   sequential  the same chunks, K read two tokens at a time for every head (the cache's own byte
+//               order: each FMA loads its head's query vector), V as above; no software prefetch.
+// Per order, ns per (key, K/V head), i.e. per 512 bytes of K and V:
+//   work        the same loops over a 64-token cache (256 KiB per thread, in L2), over and over;
+//   memory      the same order from DRAM, one load per 64-byte line and no work;
+//   together    the loops from DRAM;
+// and, for "together", GB/s of K and V read (all threads) and its share of a plain read of the same
+// caches in the same run (each thread's as 8 parts side by side, as the extension's probe); overlap = (work + memory − together) / min(work, memory): 1 when the shorter
+// part hides under the longer, 0 when they add up.
+
+#include <cstdio>
+
+#if !defined(__AVX512F__)
+// The loops measured are the kernel's AVX-512 ones (the four-row interleaved dot products exist
+// only for 16-lane vectors).
+int main() {
+  std::printf("decode_overlap: built without AVX-512 (-march=native on a CPU without it): nothing to time\n");
+  return 0;
+}
+#else
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+// (GCC 12 warns that its broadcast and shuffle intrinsics read an uninitialised "undefined"
+// operand, which they never read: a false positive.)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace {
+
+constexpr long kHeads = 8, kDim = 64, kRows = 4, kTile = 64, kChunk = 16;
+constexpr long kTokenFloats = kHeads * kDim;  // one token's row of every head: 2 KiB
+volatile float sink;
+
+double seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+enum class Order { kKernel, kSequential };
+enum class Fetch { kNone, kAhead32, kAhead128 };
+
+// One thread's cache and decode state.
+struct Decoder {
+  long tokens = 0;
+  float* key = nullptr;
+  float* value = nullptr;
+  alignas(64) float q4[kHeads][kDim * kRows];        // four rows interleaved by four lanes
+  alignas(64) float scores[kHeads][kRows][kTile];
+  alignas(64) float out[kHeads][kRows][kDim];
+  float touched = 0;
+
+  void allocate(long count, bool huge) {
+    tokens = count;
+    const size_t bytes = tokens * kTokenFloats * sizeof(float);
+    key = static_cast<float*>(aligned_alloc(1 << 21, bytes));
+    value = static_cast<float*>(aligned_alloc(1 << 21, bytes));
+    if (huge) {
+      madvise(key, bytes, MADV_HUGEPAGE);
+      madvise(value, bytes, MADV_HUGEPAGE);
+    }
+    for (size_t i = 0; i < bytes / sizeof(float); ++i) {  // (first touch on the thread that reads it)
+      key[i] = 1e-3f * static_cast<float>(i % 7);
+      value[i] = 1e-3f * static_cast<float>(i % 5);
+    }
+    for (long h = 0; h < kHeads; ++h)
+      for (long i = 0; i < kDim * kRows; ++i) q4[h][i] = 1e-2f * static_cast<float>(i % 11);
+    memset(out, 0, sizeof out);
+  }
+  void release() {
+    free(key);
+    free(value);
+  }
+
+  static __m512 sum_four_keys(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+  }
+  static void store_rows(__m512 u, float* s) {  // lane 4r + i: key i of row r
+    _mm_storeu_ps(s, _mm512_castps512_ps128(u));
+    _mm_storeu_ps(s + kTile, _mm512_extractf32x4_ps(u, 1));
+    _mm_storeu_ps(s + 2 * kTile, _mm512_extractf32x4_ps(u, 2));
+    _mm_storeu_ps(s + 3 * kTile, _mm512_extractf32x4_ps(u, 3));
+  }
+  // scores of eight keys of head h (rows ld floats apart) for its four rows
+  void eight_keys(long h, const float* keys, long ld, float* s) {
+    __m512 acc[8];
+    for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
+    for (long j = 0; j < kDim / 4; ++j) {
+      const __m512 q = _mm512_load_ps(q4[h] + 16 * j);
+      for (int c = 0; c < 8; ++c)
+        acc[c] = _mm512_fmadd_ps(q, _mm512_broadcast_f32x4(_mm_loadu_ps(keys + c * ld + 4 * j)), acc[c]);
+    }
+    store_rows(sum_four_keys(acc[0], acc[1], acc[2], acc[3]), s);
+    store_rows(sum_four_keys(acc[4], acc[5], acc[6], acc[7]), s + 4);
+  }
+  // scores of two tokens' keys of every head, read in the cache's byte order
+  void two_tokens(const float* keys, long c) {
+    __m512 acc[2 * kHeads];
+    for (int i = 0; i < 2 * kHeads; ++i) acc[i] = _mm512_setzero_ps();
+    for (long j = 0; j < kDim / 4; ++j)
+      for (long h = 0; h < kHeads; ++h) {
+        const __m512 q = _mm512_load_ps(q4[h] + 16 * j);
+        acc[h] = _mm512_fmadd_ps(q, _mm512_broadcast_f32x4(_mm_loadu_ps(keys + h * kDim + 4 * j)), acc[h]);
+        acc[kHeads + h] = _mm512_fmadd_ps(
+            q, _mm512_broadcast_f32x4(_mm_loadu_ps(keys + kTokenFloats + h * kDim + 4 * j)), acc[kHeads + h]);
+      }
+    for (long t = 0; t < 2; ++t)
+      for (long h = 0; h < kHeads; h += 4) {
+        alignas(64) float u[16];
+        _mm512_store_ps(u, sum_four_keys(acc[t * kHeads + h], acc[t * kHeads + h + 1], acc[t * kHeads + h + 2],
+                                         acc[t * kHeads + h + 3]));
+        for (long r = 0; r < kRows; ++r)
+          for (long i = 0; i < 4; ++i) scores[h + i][r][c + t] = u[4 * r + i];
+      }
+  }
+  // O of head h += Σ_c P[r][c] · V rows (ld apart), count rows
+  void weighted_values(long h, const float* rows, long ld, long c0, long count) {
+    __m512 acc[kRows][4];
+    for (long r = 0; r < kRows; ++r)
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_load_ps(out[h][r] + 16 * v);
+    for (long c = 0; c < count; ++c) {
+      const float* row = rows + c * ld;
+      const __m512 x0 = _mm512_loadu_ps(row), x1 = _mm512_loadu_ps(row + 16), x2 = _mm512_loadu_ps(row + 32),
+                   x3 = _mm512_loadu_ps(row + 48);
+      for (long r = 0; r < kRows; ++r) {
+        const __m512 w = _mm512_set1_ps(scores[h][r][c0 + c]);
+        acc[r][0] = _mm512_fmadd_ps(w, x0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(w, x1, acc[r][1]);
+        acc[r][2] = _mm512_fmadd_ps(w, x2, acc[r][2]);
+        acc[r][3] = _mm512_fmadd_ps(w, x3, acc[r][3]);
+      }
+    }
+    for (long r = 0; r < kRows; ++r)
+      for (int v = 0; v < 4; ++v) _mm512_store_ps(out[h][r] + 16 * v, acc[r][v]);
+  }
+  void fetch(const float* base, long t, long ahead) const {  // every head's rows of tokens [t, t + kChunk) + ahead
+    for (long r = t + ahead; r < std::min(t + ahead + kChunk, tokens); ++r)
+      for (long b = 0; b < kTokenFloats; b += 16) _mm_prefetch(reinterpret_cast<const char*>(base + r * kTokenFloats + b), _MM_HINT_T2);
+  }
+  // one load per line of head h's rows of tokens [t, t + count)
+  void touch(const float* base, long h, long t, long count) {
+    float a = 0;
+    for (long r = t; r < t + count; ++r)
+      for (long b = 0; b < kDim; b += 16) a += base[r * kTokenFloats + h * kDim + b];
+    touched += a;
+  }
+
+  // One pass over the cache in `order`; work = false: one load per line instead of the work.
+  void pass(Order order, Fetch fetch_scheme, bool work) {
+    const long ahead = fetch_scheme == Fetch::kAhead32 ? 32 : 128;
+    for (long t0 = 0; t0 < tokens; t0 += kTile) {
+      for (long c = 0; c < kTile; c += kChunk) {
+        const long t = t0 + c;
+        if (fetch_scheme != Fetch::kNone) fetch(key, t, ahead);
+        if (!work) {
+          if (order == Order::kKernel)
+            for (long h = 0; h < kHeads; ++h) touch(key, h, t, kChunk);
+          else
+            for (long b = 0; b < kChunk * kTokenFloats; b += 16) touched += key[t * kTokenFloats + b];
+        } else if (order == Order::kKernel) {
+          for (long h = 0; h < kHeads; ++h)
+            for (long i = 0; i < kChunk; i += 8)
+              eight_keys(h, key + (t + i) * kTokenFloats + h * kDim, kTokenFloats, &scores[h][0][c + i]);
+        } else {
+          for (long i = 0; i < kChunk; i += 2) two_tokens(key + (t + i) * kTokenFloats, c + i);
+        }
+      }
+      for (long h = 0; h < kHeads; ++h)  // (the softmax's place)
+        for (long r = 0; r < kRows; ++r)
+          for (long c = 0; c < kTile; ++c) scores[h][r][c] *= 0.999f;
+      for (long c = 0; c < kTile; c += kChunk) {
+        const long t = t0 + c;
+        if (fetch_scheme != Fetch::kNone) fetch(value, t, ahead);
+        for (long h = 0; h < kHeads; ++h)
+          if (work)
+            weighted_values(h, value + t * kTokenFloats + h * kDim, kTokenFloats, c, kChunk);
+          else
+            touch(value, h, t, kChunk);
+      }
+    }
+  }
+  // K then V read as 8 parts side by side, 256 bytes of each in turn (the extension's read probe's
+  // scheme: more streams in flight than one sequential read keeps on some machines).
+  void stream() {
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    const long part = tokens * kTokenFloats / 8;
+    for (const float* x : {key, value})
+      for (long i = 0; i < part; i += 64)
+        for (long k = 0; k < 8; ++k) {
+          const float* p = x + k * part + i;
+          a = _mm512_add_ps(a, _mm512_add_ps(_mm512_load_ps(p), _mm512_load_ps(p + 16)));
+          b = _mm512_add_ps(b, _mm512_add_ps(_mm512_load_ps(p + 32), _mm512_load_ps(p + 48)));
+        }
+    touched += _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  }
+  float result() const { return out[0][0][0] + out[kHeads - 1][kRows - 1][kDim - 1] + touched; }
+};
+
+// Best of five: seconds for `passes` passes of every thread (all in step, each over its own cache).
+template <typename F>
+double best_seconds(std::vector<Decoder>& decoders, int passes, F&& f, int reps = 5) {
+  double best = 1e30;
+  for (int rep = 0; rep < reps; ++rep) {
+    double elapsed = 0;
+#pragma omp parallel num_threads(static_cast<int>(decoders.size()))
+    {
+      Decoder& d = decoders[omp_get_thread_num()];
+#pragma omp barrier
+      const double start = seconds();
+      for (int i = 0; i < passes; ++i) f(d);
+#pragma omp barrier
+#pragma omp master
+      elapsed = seconds() - start;
+    }
+    best = std::min(best, elapsed);
+  }
+  return best;
+}
+
+// Median of seven single passes of every thread: GB/s of a plain read.
+double read_gbps(std::vector<Decoder>& decoders, double bytes) {
+  std::vector<double> rates;
+  for (int rep = 0; rep < 7; ++rep)
+    rates.push_back(bytes / best_seconds(decoders, 1, [](Decoder& d) { d.stream(); }, 1) / 1e9);
+  std::sort(rates.begin(), rates.end());
+  return rates[3];
+}
+
+void allocate_all(std::vector<Decoder>& decoders, long tokens, bool huge) {
+#pragma omp parallel num_threads(static_cast<int>(decoders.size()))
+  decoders[omp_get_thread_num()].allocate(tokens, huge);
+}
+float release_all(std::vector<Decoder>& decoders) {
+  float total = 0;
+  for (Decoder& d : decoders) {
+    total += d.result();
+    d.release();
+  }
+  return total;
+}
+
+struct Variant {
+  const char* name;
+  Order order;
+  Fetch fetch;
+  bool huge;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int threads = argc > 1 ? std::atoi(argv[1]) : omp_get_max_threads();
+  const long tokens = argc > 2 ? std::max(2 * kTile, std::atol(argv[2]) / kTile * kTile) : 32768;
+  std::vector<Decoder> decoders(threads);
+  const double pairs = static_cast<double>(tokens) * kHeads;  // (key, K/V head) pairs per pass
+  const double bytes = 2.0 * tokens * kTokenFloats * sizeof(float) * threads;
+
+  const Variant variants[] = {
+      {"kernel, 32 ahead", Order::kKernel, Fetch::kAhead32, false},
+      {"kernel, no prefetch", Order::kKernel, Fetch::kNone, false},
+      {"kernel, 128 ahead", Order::kKernel, Fetch::kAhead128, false},
+      {"kernel, 32 ahead, THP", Order::kKernel, Fetch::kAhead32, true},
+      {"sequential", Order::kSequential, Fetch::kNone, false},
+  };
+  // Work alone: a 64-token cache per thread, read 512 times per timing.
+  double work_ns[5];
+  allocate_all(decoders, kTile, false);
+  for (int i = 0; i < 5; ++i) {
+    const Variant& v = variants[i];
+    work_ns[i] = best_seconds(decoders, 512, [&](Decoder& d) { d.pass(v.order, v.fetch, true); }) / 512 /
+                 (static_cast<double>(kTile) * kHeads) * 1e9;
+  }
+  float total = release_all(decoders);
+
+  allocate_all(decoders, tokens, false);
+  const double read_before = read_gbps(decoders, bytes);
+  std::vector<double> row_work, row_memory, row_together;
+  for (int i = 0; i < 5; ++i) {
+    const Variant& v = variants[i];
+    if (v.huge) {
+      total += release_all(decoders);
+      allocate_all(decoders, tokens, true);
+    }
+    const double memory = best_seconds(decoders, 1, [&](Decoder& d) { d.pass(v.order, v.fetch, false); });
+    const double together = best_seconds(decoders, 1, [&](Decoder& d) { d.pass(v.order, v.fetch, true); });
+    row_memory.push_back(memory / pairs * 1e9);
+    row_together.push_back(together / pairs * 1e9);
+    if (v.huge) {
+      total += release_all(decoders);
+      allocate_all(decoders, tokens, false);
+    }
+  }
+  const double read_after = read_gbps(decoders, bytes), read = std::max(read_before, read_after);
+  total += release_all(decoders);
+  sink = total;
+  std::printf("%d thread(s), each with %ld tokens x %ld heads x d %ld of fp32 K and of V (%.0f MiB each); a plain\n"
+              "read of them (8 parts per thread side by side, median of 7): %.1f GB/s before the table, %.1f\n"
+              "after (the larger used). ns per (key, K/V head) per thread:\n",
+              threads, tokens, kHeads, kDim, tokens * kTokenFloats * 4.0 / (1 << 20), read_before, read_after);
+  std::printf("%-24s %-7s %-7s %-9s %-7s %-10s %-7s\n", "order", "work", "memory", "together", "GB/s",
+              "% of read", "overlap");
+  for (int i = 0; i < 5; ++i) {
+    const double overlap =
+        (work_ns[i] + row_memory[i] - row_together[i]) / std::min(work_ns[i], row_memory[i]);
+    const double gbps = bytes / (row_together[i] * pairs * 1e-9) / 1e9;
+    std::printf("%-24s %-7.2f %-7.2f %-9.2f %-7.1f %-10.0f %-7.2f\n", variants[i].name, work_ns[i], row_memory[i],
+                row_together[i], gbps, 100.0 * gbps / read, overlap);
+  }
+}
+#endif  // __AVX512F__
