@@ -26,8 +26,9 @@
 //   memory      the same order from DRAM, one load per 64-byte line and no work;
 //   together    the loops from DRAM;
 // and, for "together", GB/s of K and V read (all threads) and its share of a plain read of the same
-// caches in the same run (each thread's as 8 parts side by side, as the extension's probe); overlap = (work + memory − together) / min(work, memory): 1 when the shorter
-// part hides under the longer, 0 when they add up.
+// caches in the same run (each thread's as 8 parts side by side, as the extension's probe);
+// overlap = (work + memory − together) / min(work, memory): 1 when the shorter part hides under
+// the longer, 0 when they add up.
 
 #include <cstdio>
 
@@ -164,7 +165,8 @@ struct Decoder {
   }
   void fetch(const float* base, long t, long ahead) const {  // every head's rows of tokens [t, t + kChunk) + ahead
     for (long r = t + ahead; r < std::min(t + ahead + kChunk, tokens); ++r)
-      for (long b = 0; b < kTokenFloats; b += 16) _mm_prefetch(reinterpret_cast<const char*>(base + r * kTokenFloats + b), _MM_HINT_T2);
+      for (long b = 0; b < kTokenFloats; b += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(base + r * kTokenFloats + b), _MM_HINT_T2);
   }
   // one load per line of head h's rows of tokens [t, t + count)
   void touch(const float* base, long h, long t, long count) {
