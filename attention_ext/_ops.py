@@ -25,6 +25,9 @@ def below_autograd():
 # op through the dispatcher without torch.ops' per-argument conversion (~3 µs a call). A JIT build
 # has none; an entry answers None where the call must go through torch.ops.
 _DIRECT_ENTRIES = {}
+# The prebuilt extension's whole decode step for flash_attn_with_kvcache's common CPU calls
+# (csrc/kv_cache_step.h): its result, or None where the Python path must run; None in a JIT build.
+KVCACHE_STEP = None
 if _LOADED_FROM.startswith("prebuilt:"):
     from . import _C as _compiled
     if hasattr(_compiled, "fwd_below_autograd"):
@@ -34,6 +37,7 @@ if _LOADED_FROM.startswith("prebuilt:"):
         _DIRECT_ENTRIES.update({ops.attention_kvcache_fwd: _compiled.kvcache_fwd_below_autograd,
                                 ops.attention_kvcache_append: _compiled.kvcache_append_below_autograd,
                                 ops.attention_rotary: _compiled.rotary_below_autograd})
+    KVCACHE_STEP = getattr(_compiled, "kvcache_step", None)
 
 
 def call_below_autograd(op, *args):

@@ -25,9 +25,10 @@ torch's SDPA with enable_gqa (a decode step's comparison; subject to the swings 
 the minima too).
 With --kvcache, a fourth group times a decode step through flash_attn_with_kvcache (n new query
 rows against a (B, m, N, d) cache holding m keys, causal): attending alone; appending the n new
-keys and values in place, then attending; the attention op alone (its direct entry, as the call
-makes it); and torch's step over the same cache: SDPA over it (enable_gqa, a view), and writing the
-new rows by slice assignment, then SDPA.
+keys and values in place, then attending; both again through the Python path, with the C++ step
+that takes such calls whole switched off (csrc/kv_cache_step.h; prebuilt extension only); the
+attention op alone (its direct entry, as the call makes it); and torch's step over the same cache:
+SDPA over it (enable_gqa, a view), and writing the new rows by slice assignment, then SDPA.
 """
 from __future__ import annotations
 
@@ -118,11 +119,27 @@ def decode_step_calls(q, kv_heads, m, g, direct):
                 return fn()
         return call
 
+    def python_path(fn):  # the call with the C++ step (csrc/kv_cache_step.h) switched off
+        def call():
+            step, _ops.KVCACHE_STEP = _ops.KVCACHE_STEP, None
+            try:
+                return fn()
+            finally:
+                _ops.KVCACHE_STEP = step
+        return call
+
+    attend = no_grad(lambda: flash_attn_with_kvcache(q_tokens, k_cache, v_cache, cache_seqlens=filled,
+                                                     causal=True))
+    append = no_grad(lambda: flash_attn_with_kvcache(q_tokens, k_cache, v_cache, k_new, v_new,
+                                                     cache_seqlens=before, causal=True))
+    python_rows = {}
+    if _ops.KVCACHE_STEP is not None:
+        python_rows = {"ours: attend, Python path": python_path(attend),
+                       "ours: append n rows, attend, Python path": python_path(append)}
     return {
-        "ours: attend": no_grad(lambda: flash_attn_with_kvcache(q_tokens, k_cache, v_cache, cache_seqlens=filled,
-                                                                causal=True)),
-        "ours: append n rows, attend": no_grad(lambda: flash_attn_with_kvcache(
-            q_tokens, k_cache, v_cache, k_new, v_new, cache_seqlens=before, causal=True)),
+        "ours: attend": attend,
+        "ours: append n rows, attend": append,
+        **python_rows,
         f"the attention op alone ({direct})": no_grad(lambda: call_below_autograd(ops.attention_kvcache_fwd,
                                                                                  *op_args)),
         "torch: SDPA over the cache": no_grad(lambda: bench.torch_sdpa_gqa(q, kt, vt)),

@@ -2,7 +2,8 @@
 // TORCH_LIBRARY blocks register the ops. The module adds direct entries to them for the package's
 // hot calls (attention_ext/_ops.py, call_below_autograd): fwd_below_autograd and bwd_below_autograd,
 // and a decode step's three (flash_attn_with_kvcache): kvcache_fwd_below_autograd,
-// kvcache_append_below_autograd and rotary_below_autograd.
+// kvcache_append_below_autograd and rotary_below_autograd; and kvcache_step, the whole of a common
+// decode step (kv_cache_step.h).
 //
 // Why: a torch.ops call converts each of its arguments (13 or 19 here) to an IValue through the schema in
 // Python and pybind11 (measured on a decode-sized forward, (1,4,1,32) against 64 keys: 11.3 µs
@@ -24,8 +25,11 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <cmath>
 #include <optional>
 #include <tuple>
+
+#include "kv_cache_step.h"
 
 namespace {
 
@@ -224,6 +228,62 @@ PyObject* rotary_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t co
   END_HANDLE_TH_ERRORS
 }
 
+// flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+// block_table, softmax_scale, causal, window_size, softcap, num_splits, rotary_interleaved,
+// return_softmax_lse), the rotary and ALiBi arguments left out (their calls take the Python path):
+// out, or (out, softmax_lse), or None: the Python path decides. Taken here: exact tensors (no
+// subclass) and None; cache_seqlens also as an exact int; softmax_scale None or a finite float
+// (|scale| <= 1e30, within every dtype's rule); causal, rotary_interleaved and return_softmax_lse
+// as bools; window_size (-1, -1); softcap None or 0.0; num_splits an int >= 0 (a hint the CPU
+// kernels do not need). Everything else, and every call kv_cache_step declines, answers None.
+PyObject* kvcache_step(PyObject*, PyObject* const* items, Py_ssize_t count) {
+  HANDLE_TH_ERRORS
+  Args a{"kvcache_step", items, count, 16};
+  attention_ext::KVCacheStepArgs step;
+  step.q = a.tensor(0);
+  step.k_cache = a.tensor(1);
+  step.v_cache = a.tensor(2);
+  step.k = a.optional_tensor(3);
+  step.v = a.optional_tensor(4);
+  PyObject* seqlens = items[5];
+  if (PyLong_CheckExact(seqlens))
+    step.seqlens_all = a.integer(5);
+  else
+    step.seqlens = a.optional_tensor(5);
+  step.batch_idx = a.optional_tensor(6);
+  step.leftpad = a.optional_tensor(7);
+  step.block_table = a.optional_tensor(8);
+  if (items[9] != Py_None) {
+    const double scale = a.real(9);
+    if (!(std::abs(scale) <= 1e30)) Py_RETURN_NONE;  // (NaN too)
+    step.scale = scale;
+  }
+  step.causal = a.boolean(10);
+  const auto minus_one = [](PyObject* o) {
+    int overflow = 0;
+    return PyLong_CheckExact(o) && PyLong_AsLongLongAndOverflow(o, &overflow) == -1 && overflow == 0 &&
+           !PyErr_Occurred();
+  };
+  PyObject* window = items[11];
+  const bool no_window = PyTuple_CheckExact(window) && PyTuple_GET_SIZE(window) == 2 &&
+                         minus_one(PyTuple_GET_ITEM(window, 0)) && minus_one(PyTuple_GET_ITEM(window, 1));
+  const bool no_softcap =
+      items[12] == Py_None || (PyFloat_CheckExact(items[12]) && PyFloat_AS_DOUBLE(items[12]) == 0.0);
+  const bool splits_ok = PyLong_CheckExact(items[13]) && a.integer(13) >= 0;
+  a.boolean(14);
+  const bool return_lse = a.boolean(15);
+  if (a.deferred || !no_window || !no_softcap || !splits_ok) Py_RETURN_NONE;
+  std::optional<std::tuple<at::Tensor, at::Tensor>> result;
+  {
+    pybind11::gil_scoped_release no_gil;
+    result = attention_ext::kv_cache_step(step);
+  }
+  if (!result.has_value()) Py_RETURN_NONE;
+  const auto& [out, lse] = *result;
+  return return_lse ? wrap_all({out, lse}) : THPVariable_Wrap(out);
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
     {"fwd_below_autograd", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fwd_below_autograd)),
      METH_FASTCALL, "attention_fwd's arguments; the op below the autograd keys, or None: call torch.ops then."},
@@ -238,6 +298,9 @@ PyMethodDef methods[] = {
      "torch.ops then."},
     {"rotary_below_autograd", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rotary_below_autograd)),
      METH_FASTCALL, "attention_rotary's arguments; the op below the autograd keys, or None: call torch.ops then."},
+    {"kvcache_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(kvcache_step)), METH_FASTCALL,
+     "flash_attn_with_kvcache's arguments but the rotary and ALiBi ones; a common CPU decode step in one "
+     "call (out, or (out, lse)), or None: the Python path decides."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -415,6 +415,131 @@ def test_forward_mode_ad_is_refused_and_vmap_runs_per_entry():
     assert torch.equal(torch.vmap(call)(q), torch.stack([call(x) for x in q]))
 
 
+STEP_CALLS = {  # common decode steps: (cache layout, call arguments beyond q and the caches)
+    "attend": ("contiguous", dict(cache_seqlens="tensor")),
+    "append_causal": ("contiguous", dict(new=1, causal=True, cache_seqlens="tensor")),
+    "speculative_lse": ("contiguous", dict(new=3, causal=True, cache_seqlens="tensor",
+                                           return_softmax_lse=True)),
+    "int_seqlens_scale": ("contiguous", dict(new=1, cache_seqlens=9, softmax_scale=0.3)),
+    "full_cache": ("contiguous", dict()),
+    "batch_idx_leftpad": ("contiguous", dict(new=1, cache_seqlens="tensor", cache_batch_idx=[3, 0, 2],
+                                             cache_leftpad=[2, 0, 5])),
+    "paged": ("paged", dict(new=1, causal=True, cache_seqlens="tensor")),
+    "paged_leftpad": ("paged", dict(new=2, cache_seqlens="tensor", cache_leftpad=[1, 0, 12])),
+    "zero_new_rows": ("contiguous", dict(zero_new=True, cache_seqlens="tensor")),
+}
+
+
+def step_arguments(layout, spec, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cache = Cache(4, 40, 2, 16, dtype, 8 if layout == "paged" else None, g)
+    k_cache, v_cache, extra = cache.tensors()
+    if layout == "paged":
+        extra["block_table"] = extra["block_table"][:3].clone()
+    spec = dict(spec)
+    new = spec.pop("new", 0)
+    zero_new = spec.pop("zero_new", False)  # k and v given, with no rows
+    kwargs = dict(extra, **spec)
+    if kwargs.get("cache_seqlens") == "tensor":
+        kwargs["cache_seqlens"] = torch.tensor([7, 0, 30], dtype=torch.int32)
+    for key in ("cache_batch_idx", "cache_leftpad"):
+        if key in kwargs:
+            kwargs[key] = torch.tensor(kwargs[key], dtype=torch.int32)
+    q = torch.randn(3, max(new, 1), 8, 16, generator=g).to(dtype)
+    k_new = torch.randn(3, new, 2, 16, generator=g).to(dtype) if new else None
+    v_new = torch.randn(3, new, 2, 16, generator=g).to(dtype) if new else None
+    if zero_new:
+        k_new, v_new = torch.zeros(3, 0, 2, 16, dtype=dtype), torch.zeros(3, 0, 2, 16, dtype=dtype)
+    return q, k_cache, v_cache, k_new, v_new, kwargs
+
+
+@pytest.mark.skipif(attention_ext._ops.KVCACHE_STEP is None, reason="the C++ decode step is in the prebuilt "
+                    "extension only (a JIT build takes the Python path for every call)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(STEP_CALLS))
+def test_a_common_step_takes_the_cxx_path_and_gives_the_python_path_s_bits(name, dtype, monkeypatch):
+    """flash_attn_with_kvcache's common CPU steps run as one C++ call (csrc/kv_cache_step.h): the
+    step answers for them, and the call's output, lse and caches are bitwise those of the Python
+    path (the C++ step switched off), the caches' version counters moved alike."""
+    layout, spec = STEP_CALLS[name]
+    results, versions_moved = [], []
+    for cxx in (True, False):
+        q, k_cache, v_cache, k_new, v_new, kwargs = step_arguments(layout, spec, dtype)
+        if cxx:
+            step = attention_ext._ops.KVCACHE_STEP(
+                q, k_cache.clone(), v_cache.clone(), k_new, v_new, kwargs.get("cache_seqlens"),
+                kwargs.get("cache_batch_idx"), kwargs.get("cache_leftpad"), kwargs.get("block_table"),
+                kwargs.get("softmax_scale"), kwargs.get("causal", False), (-1, -1), 0.0, 0, True,
+                kwargs.get("return_softmax_lse", False))
+            assert step is not None, "the C++ step declined a common call"
+        else:
+            monkeypatch.setattr(attention_ext._ops, "KVCACHE_STEP", None)
+        versions = k_cache._version, v_cache._version
+        got = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)
+        results.append((got if isinstance(got, tuple) else (got,)) + (k_cache, v_cache))
+        versions_moved.append((k_cache._version - versions[0], v_cache._version - versions[1]))
+    assert versions_moved[0] == versions_moved[1]
+    for cxx, python in zip(*results):
+        assert cxx.shape == python.shape and cxx.stride() == python.stride()
+        assert torch.equal(cxx, python)
+
+
+STEP_DECLINES = {  # what the C++ step leaves to the Python path (which computes it, or raises)
+    "a window": dict(window_size=(5, 2)),
+    "a softcap": dict(softcap=20.0),
+    "a numpy-style int scale": dict(softmax_scale=1),
+    "k without v": dict(v_only_missing=True),
+    "dtypes that differ": dict(k_double=True),
+    "q requiring grad": dict(q_grad=True),
+    "an overflowing append": dict(cache_seqlens=40),
+    "a negative length": dict(cache_seqlens=-1),
+    "a cache row out of range": dict(cache_batch_idx=[0, 1, 4]),
+    "leftpad past the end": dict(cache_leftpad=[9, 0, 0]),
+    "an int64 seqlens tensor": dict(seqlens_dtype=torch.int64),
+    "an expanded cache": dict(expanded=True),
+    "an inference-tensor cache outside inference mode": dict(inference_cache=True),
+    "an empty batch": dict(empty=True),
+    "a bad block id": dict(paged=True, bad_block=True),
+}
+
+
+@pytest.mark.skipif(attention_ext._ops.KVCACHE_STEP is None, reason="the C++ decode step is in the prebuilt "
+                    "extension only")
+@pytest.mark.parametrize("name", list(STEP_DECLINES))
+def test_the_cxx_step_declines_what_it_does_not_take_and_writes_nothing(name):
+    bad = STEP_DECLINES[name]
+    q, k_cache, v_cache, k_new, v_new, kwargs = step_arguments("paged" if bad.get("paged") else "contiguous",
+                                                                dict(new=1, cache_seqlens="tensor"))
+    seqlens = bad.get("cache_seqlens", kwargs["cache_seqlens"])
+    if "seqlens_dtype" in bad:
+        seqlens = seqlens.to(bad["seqlens_dtype"])
+    if bad.get("v_only_missing"):
+        v_new = None
+    if bad.get("k_double"):
+        k_new = k_new.double()
+    if bad.get("q_grad"):
+        q.requires_grad_()
+    if bad.get("expanded"):
+        k_cache, v_cache = (t[:1].expand_as(t) for t in (k_cache, v_cache))
+    if bad.get("inference_cache"):
+        with torch.inference_mode():
+            k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    if bad.get("empty"):
+        q, k_new, v_new, seqlens = q[:0], k_new[:0], v_new[:0], seqlens[:0]
+    table = kwargs.get("block_table")
+    if bad.get("bad_block"):
+        table[2, 3] = 99  # the block entry 2's new key goes to
+    per_entry = {key: torch.tensor(bad[key], dtype=torch.int32) if key in bad else None
+                 for key in ("cache_batch_idx", "cache_leftpad")}
+    before = k_cache.clone(), v_cache.clone()
+    step = attention_ext._ops.KVCACHE_STEP(
+        q, k_cache, v_cache, k_new, v_new, seqlens, per_entry["cache_batch_idx"], per_entry["cache_leftpad"],
+        table, bad.get("softmax_scale"), False, bad.get("window_size", (-1, -1)), bad.get("softcap", 0.0), 0, True,
+        False)
+    assert step is None
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
 def test_a_window_side_as_long_as_the_cache_bounds_nothing():
     """FlashAttention's rule: a side >= the cache's capacity is -1. Here the right side of 4 on a
     cache of 4 slots would otherwise hide keys from the first rows of an 8-row call (their band

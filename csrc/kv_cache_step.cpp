@@ -1,0 +1,160 @@
+#include "kv_cache_step.h"
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
+
+#include <cmath>
+#include <vector>
+
+namespace attention_ext {
+
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+using KVCacheFwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                          const at::Tensor&, const OptTensor&, const OptTensor&,
+                                                          const OptTensor&, double, int64_t, int64_t, int64_t, double,
+                                                          const OptTensor&);
+using KVCacheAppendSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const OptTensor&, const OptTensor&);
+
+template <typename Sig>
+const c10::TypedOperatorHandle<Sig>& op_handle(const char* name) {
+  static const auto h = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+  return h;
+}
+
+bool float_dtype(at::ScalarType t) {
+  return t == at::kDouble || t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// An optional per-entry argument as flash_attn_with_kvcache takes it: int32 (batch,) on the CPU.
+bool per_entry_ok(const OptTensor& t, int64_t batch) {
+  return !t.has_value() ||
+         (t->scalar_type() == at::kInt && t->dim() == 1 && t->size(0) == batch && t->device().is_cpu());
+}
+
+std::vector<int64_t> per_entry_values(const at::Tensor& t) {
+  const auto values = t.accessor<int32_t, 1>();
+  std::vector<int64_t> out(values.size(0));
+  for (int64_t b = 0; b < values.size(0); ++b) out[b] = values[b];
+  return out;
+}
+
+at::Tensor int32_tensor(const std::vector<int64_t>& values) {
+  at::Tensor t = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(at::kInt));
+  int32_t* p = t.data_ptr<int32_t>();
+  for (size_t i = 0; i < values.size(); ++i) p[i] = static_cast<int32_t>(values[i]);
+  return t;
+}
+
+// A (rows or blocks, length, kv_heads, d) cache as the view (rows, kv_heads, 1, length, d).
+at::Tensor heads_first(const at::Tensor& cache) {
+  return cache.as_strided({cache.size(0), cache.size(2), 1, cache.size(1), cache.size(3)},
+                          {cache.stride(0), cache.stride(2), 0, cache.stride(1), cache.stride(3)});
+}
+
+}  // namespace
+
+std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheStepArgs& a) {
+  const at::Tensor &q = a.q, &k_cache = a.k_cache, &v_cache = a.v_cache;
+  const bool append = a.k.has_value();
+  // The tensors (kv_cache.py's _check_tensors): 4-D, one float dtype, all on the CPU, none
+  // requiring grad where grad mode would record, the caches' shapes matching q's and each other's.
+  if (append != a.v.has_value()) return std::nullopt;
+  std::vector<const at::Tensor*> tensors{&q, &k_cache, &v_cache};
+  if (append) tensors.insert(tensors.end(), {&*a.k, &*a.v});
+  const bool grad_mode = c10::GradMode::is_enabled();
+  for (const at::Tensor* t : tensors)
+    if (t->dim() != 4 || t->scalar_type() != q.scalar_type() || !t->device().is_cpu() ||
+        (grad_mode && t->requires_grad()))
+      return std::nullopt;
+  if (!float_dtype(q.scalar_type())) return std::nullopt;
+  const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), d = q.size(3);
+  const int64_t cache_rows = k_cache.size(0), cache_length = k_cache.size(1), kv_heads = k_cache.size(2);
+  if (batch == 0 || k_cache.size(0) != v_cache.size(0) || k_cache.size(1) != v_cache.size(1) ||
+      k_cache.size(2) != v_cache.size(2) || k_cache.size(3) != d || kv_heads <= 0 || heads % kv_heads != 0)
+    return std::nullopt;
+  const int64_t new_keys = append ? a.k->size(1) : 0;
+  if (append) {
+    const at::Tensor &k = *a.k, &v = *a.v;
+    if (k.size(0) != batch || k.size(2) != kv_heads || k.size(3) != d || v.size(0) != batch ||
+        v.size(1) != new_keys || v.size(2) != kv_heads || v.size(3) != v_cache.size(3))
+      return std::nullopt;
+    // an expanded cache (one memory row for several entries), or an inference tensor outside
+    // inference mode: refused by the Python path
+    for (const at::Tensor* cache : {&k_cache, &v_cache}) {
+      for (int64_t dim = 0; dim < 4; ++dim)
+        if (cache->stride(dim) == 0 && cache->size(dim) > 1) return std::nullopt;
+      if (!c10::InferenceMode::is_enabled() && cache->is_inference()) return std::nullopt;
+    }
+  }
+  // The cache's capacity and the per-entry arguments (_check_per_entry, the block table's rules).
+  const bool paged = a.block_table.has_value();
+  int64_t capacity = cache_length;
+  if (paged) {
+    const at::Tensor& table = *a.block_table;
+    if (cache_rows == 0 || cache_length == 0 || table.scalar_type() != at::kInt || table.dim() != 2 ||
+        table.size(0) != batch || !table.device().is_cpu() || a.batch_idx.has_value())
+      return std::nullopt;
+    capacity = table.size(1) * cache_length;
+  }
+  if (!per_entry_ok(a.seqlens, batch) || !per_entry_ok(a.batch_idx, batch) || !per_entry_ok(a.leftpad, batch))
+    return std::nullopt;
+  const bool seqlens_given = a.seqlens.has_value() || a.seqlens_all.has_value();
+  if (append && !seqlens_given) return std::nullopt;  // (where the new keys go is not known)
+  // Every position an entry writes or reads, before anything is written (_check_entries).
+  const std::vector<int64_t> lengths = a.seqlens.has_value() ? per_entry_values(*a.seqlens)
+                                       : std::vector<int64_t>(batch, a.seqlens_all.value_or(capacity));
+  const std::vector<int64_t> leftpad = a.leftpad.has_value() ? per_entry_values(*a.leftpad)
+                                                             : std::vector<int64_t>(batch, 0);
+  const std::vector<int64_t> rows = a.batch_idx.has_value() ? per_entry_values(*a.batch_idx)
+                                                             : std::vector<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t end = lengths[b] + new_keys;
+    if (lengths[b] < 0 || end > capacity || end >= (int64_t{1} << 31) || leftpad[b] < 0 || leftpad[b] > end)
+      return std::nullopt;
+    const int64_t row = rows.empty() ? b : rows[b];
+    if (!paged && (row < 0 || row >= cache_rows)) return std::nullopt;
+    if (paged) {  // every block the entry reads or writes, in the cache
+      const auto table = a.block_table->accessor<int32_t, 2>();
+      for (int64_t j = std::min(leftpad[b], lengths[b]) / cache_length; j < (end + cache_length - 1) / cache_length;
+           ++j)
+        if (table[b][j] < 0 || table[b][j] >= cache_rows) return std::nullopt;
+    }
+  }
+  // FlashAttention's window: none here, and causal its right side 0; a side at least the cache's
+  // capacity long bounds nothing.
+  const int64_t window_left = -1, window_right = a.causal && capacity > 0 ? 0 : -1;
+  const double scale = a.scale.has_value() ? *a.scale : d > 0 ? 1.0 / std::sqrt(static_cast<double>(d)) : 1.0;
+
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // (the ops record nothing: no input requires grad here)
+  if (append && new_keys > 0) {  // (no rows: nothing written, no version bump, as in Python)
+    const at::Tensor starts = a.seqlens.has_value() ? *a.seqlens : int32_tensor(lengths);
+    op_handle<KVCacheAppendSig>("attention_ext::attention_kvcache_append")
+        .call(k_cache, v_cache, *a.k, *a.v, starts, a.batch_idx, a.block_table);
+    // As for an in-place op: autograd notices a saved cache written since.
+    for (const at::Tensor* cache : {&k_cache, &v_cache})
+      if (!cache->is_inference()) cache->unsafeGetTensorImpl()->bump_version();
+  }
+  std::vector<int64_t> ends;
+  if (new_keys > 0 || !a.seqlens.has_value()) {
+    ends.resize(batch);
+    for (int64_t b = 0; b < batch; ++b) ends[b] = lengths[b] + new_keys;
+  }
+  // (batch, kv_heads, groups, Sq, d) against K/V (rows, kv_heads, 1, length, d): the query heads
+  // sharing a K/V head as one item's rows (attention_ext/kv_cache.py).
+  const int64_t groups = heads / kv_heads;
+  const at::Tensor qh = q.as_strided({batch, kv_heads, groups, seqlen_q, d},
+                                     {q.stride(0), q.stride(2) * groups, q.stride(2), q.stride(1), q.stride(3)});
+  auto [out, lse] = op_handle<KVCacheFwdSig>("attention_ext::attention_kvcache_fwd")
+                        .call(qh, heads_first(k_cache), heads_first(v_cache),
+                              ends.empty() ? *a.seqlens : int32_tensor(ends), a.batch_idx, a.leftpad, a.block_table,
+                              scale, a.causal ? 2 : 0, window_left, window_right, 0.0, std::nullopt);
+  return std::make_tuple(out.permute({0, 3, 1, 2, 4}).flatten(2, 3), lse.flatten(1, 2));
+}
+
+}  // namespace attention_ext
