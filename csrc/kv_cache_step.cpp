@@ -14,6 +14,8 @@ namespace attention_ext {
 namespace {
 
 using OptTensor = std::optional<at::Tensor>;
+
+constexpr int64_t kMaxWindow = int64_t{1} << 62;  // (_arguments.MAX_WINDOW)
 using KVCacheFwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                           const at::Tensor&, const OptTensor&, const OptTensor&,
                                                           const OptTensor&, double, int64_t, int64_t, int64_t, double,
@@ -126,9 +128,24 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
         if (table[b][j] < 0 || table[b][j] >= cache_rows) return std::nullopt;
     }
   }
-  // FlashAttention's window: none here, and causal its right side 0; a side at least the cache's
+  // ALiBi slopes: one per query head, or per entry and query head (flash.py's _check_alibi).
+  OptTensor slopes;
+  if (a.alibi_slopes.has_value()) {
+    const at::Tensor& s = *a.alibi_slopes;
+    const bool per_head = s.dim() == 1 && s.size(0) == heads;
+    const bool per_entry = s.dim() == 2 && s.size(0) == batch && s.size(1) == heads;
+    if (s.scalar_type() != at::kFloat || !(per_head || per_entry) || !s.device().is_cpu()) return std::nullopt;
+    slopes = s.detach().unflatten(-1, {kv_heads, heads / kv_heads});
+  }
+  // FlashAttention's window (-1: unbounded), causal its right side 0; a side at least the cache's
   // capacity long bounds nothing.
-  const int64_t window_left = -1, window_right = a.causal && capacity > 0 ? 0 : -1;
+  if (a.window_left < -1 || a.window_right < -1 || a.window_left > kMaxWindow || a.window_right > kMaxWindow)
+    return std::nullopt;
+  const int64_t window_left = a.window_left >= capacity ? -1 : a.window_left;
+  const int64_t right = a.causal ? 0 : a.window_right;
+  const int64_t window_right = right >= capacity ? -1 : right;
+  // softcap 0 (none) or within every dtype's rule (_arguments.softcap_rules)
+  if (!(a.softcap == 0.0 || (a.softcap >= 1e-30 && a.softcap <= 1e30))) return std::nullopt;
   const double scale = a.scale.has_value() ? *a.scale : d > 0 ? 1.0 / std::sqrt(static_cast<double>(d)) : 1.0;
 
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // (the ops record nothing: no input requires grad here)
@@ -153,7 +170,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
   auto [out, lse] = op_handle<KVCacheFwdSig>("attention_ext::attention_kvcache_fwd")
                         .call(qh, heads_first(k_cache), heads_first(v_cache),
                               ends.empty() ? *a.seqlens : int32_tensor(ends), a.batch_idx, a.leftpad, a.block_table,
-                              scale, a.causal ? 2 : 0, window_left, window_right, 0.0, std::nullopt);
+                              scale, a.causal ? 2 : 0, window_left, window_right, a.softcap, slopes);
   return std::make_tuple(out.permute({0, 3, 1, 2, 4}).flatten(2, 3), lse.flatten(1, 2));
 }
 

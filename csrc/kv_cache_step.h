@@ -1,5 +1,5 @@
-// flash_attn_with_kvcache's eager decode step on CPU tensors in one C++ call, for the common case
-// (no rotary, ALiBi, softcap or sliding window; attention_ext/kv_cache.py takes every other call):
+// flash_attn_with_kvcache's eager decode step on CPU tensors in one C++ call, for every call
+// without rotary embeddings (attention_ext/kv_cache.py takes those, and traced ones):
 // the package's argument checks, the in-place append of the new keys and values, the views the
 // attention op takes and the op itself. A decode step of a small model is a few microseconds of
 // kernel; in Python the same checks and views cost about twice that again (benchmarks/README.md).
@@ -26,6 +26,9 @@ struct KVCacheStepArgs {
   std::optional<at::Tensor> block_table;         // int32 (B, max_blocks): a paged cache
   std::optional<double> scale;                   // softmax_scale (none: 1 / sqrt(d))
   bool causal = false;
+  int64_t window_left = -1, window_right = -1;   // window_size as given (-1: unbounded)
+  double softcap = 0.0;                          // (0: none)
+  std::optional<at::Tensor> alibi_slopes;        // float32 (heads,) or (B, heads)
 };
 
 // (out (B, Sq, heads, d_v), lse (B, heads, Sq)), or nullopt: the Python path decides.

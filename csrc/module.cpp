@@ -229,24 +229,24 @@ PyObject* rotary_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t co
 }
 
 // flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
-// block_table, softmax_scale, causal, window_size, softcap, num_splits, rotary_interleaved,
-// return_softmax_lse), the rotary and ALiBi arguments left out (their calls take the Python path):
-// out, or (out, softmax_lse), or None: the Python path decides. Taken here: exact tensors (no
+// block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+// rotary_interleaved, return_softmax_lse), the rotary tables left out (their calls take the Python
+// path): out, or (out, softmax_lse), or None: the Python path decides. Taken here: exact tensors (no
 // subclass) and None; cache_seqlens also as an exact int; softmax_scale None or a finite float
 // (|scale| <= 1e30, within every dtype's rule); causal, rotary_interleaved and return_softmax_lse
-// as bools; window_size (-1, -1); softcap None or 0.0; num_splits an int >= 0 (a hint the CPU
-// kernels do not need). Everything else, and every call kv_cache_step declines, answers None.
+// as bools; window_size a tuple of two ints; softcap None or a float; num_splits an int >= 0 (a
+// hint the CPU kernels do not need). Everything else, and every call kv_cache_step declines,
+// answers None.
 PyObject* kvcache_step(PyObject*, PyObject* const* items, Py_ssize_t count) {
   HANDLE_TH_ERRORS
-  Args a{"kvcache_step", items, count, 16};
+  Args a{"kvcache_step", items, count, 17};
   attention_ext::KVCacheStepArgs step;
   step.q = a.tensor(0);
   step.k_cache = a.tensor(1);
   step.v_cache = a.tensor(2);
   step.k = a.optional_tensor(3);
   step.v = a.optional_tensor(4);
-  PyObject* seqlens = items[5];
-  if (PyLong_CheckExact(seqlens))
+  if (PyLong_CheckExact(items[5]))
     step.seqlens_all = a.integer(5);
   else
     step.seqlens = a.optional_tensor(5);
@@ -259,20 +259,24 @@ PyObject* kvcache_step(PyObject*, PyObject* const* items, Py_ssize_t count) {
     step.scale = scale;
   }
   step.causal = a.boolean(10);
-  const auto minus_one = [](PyObject* o) {
-    int overflow = 0;
-    return PyLong_CheckExact(o) && PyLong_AsLongLongAndOverflow(o, &overflow) == -1 && overflow == 0 &&
-           !PyErr_Occurred();
-  };
   PyObject* window = items[11];
-  const bool no_window = PyTuple_CheckExact(window) && PyTuple_GET_SIZE(window) == 2 &&
-                         minus_one(PyTuple_GET_ITEM(window, 0)) && minus_one(PyTuple_GET_ITEM(window, 1));
-  const bool no_softcap =
-      items[12] == Py_None || (PyFloat_CheckExact(items[12]) && PyFloat_AS_DOUBLE(items[12]) == 0.0);
-  const bool splits_ok = PyLong_CheckExact(items[13]) && a.integer(13) >= 0;
-  a.boolean(14);
-  const bool return_lse = a.boolean(15);
-  if (a.deferred || !no_window || !no_softcap || !splits_ok) Py_RETURN_NONE;
+  if (!PyTuple_CheckExact(window) || PyTuple_GET_SIZE(window) != 2) Py_RETURN_NONE;
+  for (int side = 0; side < 2; ++side) {
+    PyObject* bound = PyTuple_GET_ITEM(window, side);
+    int overflow = 0;
+    const long long value = PyLong_CheckExact(bound) ? PyLong_AsLongLongAndOverflow(bound, &overflow) : 0;
+    if (!PyLong_CheckExact(bound) || overflow != 0 || (value == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      Py_RETURN_NONE;
+    }
+    (side == 0 ? step.window_left : step.window_right) = value;
+  }
+  if (items[12] != Py_None) step.softcap = a.real(12);
+  step.alibi_slopes = a.optional_tensor(13);
+  const bool splits_ok = PyLong_CheckExact(items[14]) && a.integer(14) >= 0;
+  a.boolean(15);
+  const bool return_lse = a.boolean(16);
+  if (a.deferred || !splits_ok) Py_RETURN_NONE;
   std::optional<std::tuple<at::Tensor, at::Tensor>> result;
   {
     pybind11::gil_scoped_release no_gil;
@@ -299,7 +303,7 @@ PyMethodDef methods[] = {
     {"rotary_below_autograd", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rotary_below_autograd)),
      METH_FASTCALL, "attention_rotary's arguments; the op below the autograd keys, or None: call torch.ops then."},
     {"kvcache_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(kvcache_step)), METH_FASTCALL,
-     "flash_attn_with_kvcache's arguments but the rotary and ALiBi ones; a common CPU decode step in one "
+     "flash_attn_with_kvcache's arguments but the rotary tables; a CPU decode step without rotary in one "
      "call (out, or (out, lse)), or None: the Python path decides."},
     {nullptr, nullptr, 0, nullptr}};
 

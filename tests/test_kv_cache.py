@@ -427,6 +427,12 @@ STEP_CALLS = {  # common decode steps: (cache layout, call arguments beyond q an
     "paged": ("paged", dict(new=1, causal=True, cache_seqlens="tensor")),
     "paged_leftpad": ("paged", dict(new=2, cache_seqlens="tensor", cache_leftpad=[1, 0, 12])),
     "zero_new_rows": ("contiguous", dict(zero_new=True, cache_seqlens="tensor")),
+    "window_softcap": ("contiguous", dict(new=1, causal=True, cache_seqlens="tensor", window_size=(6, -1),
+                                          softcap=30.0)),
+    "window_both_sides": ("paged", dict(new=2, cache_seqlens="tensor", window_size=(5, 1))),
+    "window_as_long_as_the_cache": ("contiguous", dict(new=1, cache_seqlens="tensor", window_size=(40, 40))),
+    "alibi_per_head": ("contiguous", dict(new=1, causal=True, cache_seqlens="tensor", alibi="per_head")),
+    "alibi_per_entry": ("paged", dict(cache_seqlens="tensor", alibi="per_entry")),
 }
 
 
@@ -440,6 +446,9 @@ def step_arguments(layout, spec, dtype=torch.float32, seed=0):
     new = spec.pop("new", 0)
     zero_new = spec.pop("zero_new", False)  # k and v given, with no rows
     kwargs = dict(extra, **spec)
+    alibi = kwargs.pop("alibi", None)
+    if alibi is not None:
+        kwargs["alibi_slopes"] = torch.rand(*((8,) if alibi == "per_head" else (3, 8)), generator=g) * 0.3
     if kwargs.get("cache_seqlens") == "tensor":
         kwargs["cache_seqlens"] = torch.tensor([7, 0, 30], dtype=torch.int32)
     for key in ("cache_batch_idx", "cache_leftpad"):
@@ -469,7 +478,8 @@ def test_a_common_step_takes_the_cxx_path_and_gives_the_python_path_s_bits(name,
             step = attention_ext._ops.KVCACHE_STEP(
                 q, k_cache.clone(), v_cache.clone(), k_new, v_new, kwargs.get("cache_seqlens"),
                 kwargs.get("cache_batch_idx"), kwargs.get("cache_leftpad"), kwargs.get("block_table"),
-                kwargs.get("softmax_scale"), kwargs.get("causal", False), (-1, -1), 0.0, 0, True,
+                kwargs.get("softmax_scale"), kwargs.get("causal", False), kwargs.get("window_size", (-1, -1)),
+                kwargs.get("softcap", 0.0), kwargs.get("alibi_slopes"), 0, True,
                 kwargs.get("return_softmax_lse", False))
             assert step is not None, "the C++ step declined a common call"
         else:
@@ -485,9 +495,17 @@ def test_a_common_step_takes_the_cxx_path_and_gives_the_python_path_s_bits(name,
 
 
 STEP_DECLINES = {  # what the C++ step leaves to the Python path (which computes it, or raises)
-    "a window": dict(window_size=(5, 2)),
-    "a softcap": dict(softcap=20.0),
-    "a numpy-style int scale": dict(softmax_scale=1),
+    "a window side below -1": dict(window_size=(-3, 0)),
+    "a window as a list": dict(window_size=[5, 2]),
+    "a window side past 2**62": dict(window_size=(2 ** 62 + 1, -1)),
+    "a window side past int64": dict(window_size=(2 ** 70, -1)),
+    "an int softcap": dict(softcap=20),
+    "a softcap beyond float32": dict(softcap=1e39),
+    "a negative softcap": dict(softcap=-1.0),
+    "float64 ALiBi slopes": dict(alibi_slopes=torch.ones(8, dtype=torch.float64)),
+    "ALiBi slopes of the K/V heads' count": dict(alibi_slopes=torch.ones(2)),
+    "an int scale": dict(softmax_scale=1),
+    "a NaN scale": dict(softmax_scale=float("nan")),
     "k without v": dict(v_only_missing=True),
     "dtypes that differ": dict(k_double=True),
     "q requiring grad": dict(q_grad=True),
@@ -534,8 +552,8 @@ def test_the_cxx_step_declines_what_it_does_not_take_and_writes_nothing(name):
     before = k_cache.clone(), v_cache.clone()
     step = attention_ext._ops.KVCACHE_STEP(
         q, k_cache, v_cache, k_new, v_new, seqlens, per_entry["cache_batch_idx"], per_entry["cache_leftpad"],
-        table, bad.get("softmax_scale"), False, bad.get("window_size", (-1, -1)), bad.get("softcap", 0.0), 0, True,
-        False)
+        table, bad.get("softmax_scale"), False, bad.get("window_size", (-1, -1)), bad.get("softcap", 0.0),
+        bad.get("alibi_slopes"), 0, True, False)
     assert step is None
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
