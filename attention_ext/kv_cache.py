@@ -320,6 +320,10 @@ def _check_tensors(q, k_cache, v_cache, k, v, paged):
         if t is not None and not isinstance(t, torch.Tensor):
             _fail(TypeError, f"{name} must be a torch.Tensor (batch, seqlen_new, kv_heads, head_dim) or None, got "
                              f"{type(t).__name__}")
+    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (k, "k"), (v, "v")):
+        if isinstance(t, torch.Tensor) and (t.layout != torch.strided or t.is_nested):  # (sparse, mkldnn, nested)
+            got = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+            _fail(TypeError, f"{name} must be a dense (strided) tensor, got {got}")
     for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__

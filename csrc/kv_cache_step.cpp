@@ -5,6 +5,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <cmath>
 #include <vector>
@@ -66,11 +67,18 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
   const bool append = a.k.has_value();
   // The tensors (kv_cache.py's _check_tensors): 4-D, one float dtype, all on the CPU, none
   // requiring grad where grad mode would record, the caches' shapes matching q's and each other's.
-  if (append != a.v.has_value()) return std::nullopt;
-  std::vector<const at::Tensor*> tensors{&q, &k_cache, &v_cache};
-  if (append) tensors.insert(tensors.end(), {&*a.k, &*a.v});
+  // (An active torch dispatch mode, e.g. FakeTensorMode over real inputs, gets the Python path: the
+  // step reads the per-entry values and writes int32 tensors it would hand the mode.)
+  if (append != a.v.has_value() || c10::impl::TorchDispatchModeTLS::stack_len() > 0) return std::nullopt;
+  std::vector<const at::Tensor*> inputs{&q, &k_cache, &v_cache};
+  if (append) inputs.insert(inputs.end(), {&*a.k, &*a.v});
+  std::vector<const at::Tensor*> all = inputs;
+  for (const OptTensor* t : {&a.seqlens, &a.batch_idx, &a.leftpad, &a.block_table, &a.alibi_slopes})
+    if (t->has_value()) all.push_back(&**t);
+  for (const at::Tensor* t : all)  // (dense tensors only: no sparse, mkldnn or nested layout)
+    if (t->layout() != at::kStrided || t->is_nested()) return std::nullopt;
   const bool grad_mode = c10::GradMode::is_enabled();
-  for (const at::Tensor* t : tensors)
+  for (const at::Tensor* t : inputs)
     if (t->dim() != 4 || t->scalar_type() != q.scalar_type() || !t->device().is_cpu() ||
         (grad_mode && t->requires_grad()))
       return std::nullopt;
@@ -102,7 +110,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
     if (cache_rows == 0 || cache_length == 0 || table.scalar_type() != at::kInt || table.dim() != 2 ||
         table.size(0) != batch || !table.device().is_cpu() || a.batch_idx.has_value())
       return std::nullopt;
-    capacity = table.size(1) * cache_length;
+    if (__builtin_mul_overflow(table.size(1), cache_length, &capacity)) return std::nullopt;
   }
   if (!per_entry_ok(a.seqlens, batch) || !per_entry_ok(a.batch_idx, batch) || !per_entry_ok(a.leftpad, batch))
     return std::nullopt;
@@ -116,15 +124,16 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
   const std::vector<int64_t> rows = a.batch_idx.has_value() ? per_entry_values(*a.batch_idx)
                                                              : std::vector<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t end = lengths[b] + new_keys;
-    if (lengths[b] < 0 || end > capacity || end >= (int64_t{1} << 31) || leftpad[b] < 0 || leftpad[b] > end)
+    int64_t end = 0;
+    if (__builtin_add_overflow(lengths[b], new_keys, &end) || lengths[b] < 0 || end > capacity ||
+        end >= (int64_t{1} << 31) || leftpad[b] < 0 || leftpad[b] > end)
       return std::nullopt;
     const int64_t row = rows.empty() ? b : rows[b];
     if (!paged && (row < 0 || row >= cache_rows)) return std::nullopt;
     if (paged) {  // every block the entry reads or writes, in the cache
       const auto table = a.block_table->accessor<int32_t, 2>();
-      for (int64_t j = std::min(leftpad[b], lengths[b]) / cache_length; j < (end + cache_length - 1) / cache_length;
-           ++j)
+      const int64_t stop = end > 0 ? (end - 1) / cache_length + 1 : 0;  // (end <= capacity: within the table)
+      for (int64_t j = std::min(leftpad[b], lengths[b]) / cache_length; j < stop; ++j)
         if (table[b][j] < 0 || table[b][j] >= cache_rows) return std::nullopt;
     }
   }
@@ -148,29 +157,34 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
   if (!(a.softcap == 0.0 || (a.softcap >= 1e-30 && a.softcap <= 1e30))) return std::nullopt;
   const double scale = a.scale.has_value() ? *a.scale : d > 0 ? 1.0 / std::sqrt(static_cast<double>(d)) : 1.0;
 
-  at::AutoDispatchBelowADInplaceOrView below_autograd;  // (the ops record nothing: no input requires grad here)
-  if (append && new_keys > 0) {  // (no rows: nothing written, no version bump, as in Python)
-    const at::Tensor starts = a.seqlens.has_value() ? *a.seqlens : int32_tensor(lengths);
-    op_handle<KVCacheAppendSig>("attention_ext::attention_kvcache_append")
-        .call(k_cache, v_cache, *a.k, *a.v, starts, a.batch_idx, a.block_table);
-    // As for an in-place op: autograd notices a saved cache written since.
-    for (const at::Tensor* cache : {&k_cache, &v_cache})
-      if (!cache->is_inference()) cache->unsafeGetTensorImpl()->bump_version();
+  at::Tensor out, lse;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // (the ops record nothing: no input requires grad here)
+    if (append && new_keys > 0) {  // (no rows: nothing written, no version bump, as in Python)
+      const at::Tensor starts = a.seqlens.has_value() ? *a.seqlens : int32_tensor(lengths);
+      op_handle<KVCacheAppendSig>("attention_ext::attention_kvcache_append")
+          .call(k_cache, v_cache, *a.k, *a.v, starts, a.batch_idx, a.block_table);
+      // As for an in-place op: autograd notices a saved cache written since.
+      for (const at::Tensor* cache : {&k_cache, &v_cache})
+        if (!cache->is_inference()) cache->unsafeGetTensorImpl()->bump_version();
+    }
+    std::vector<int64_t> ends;
+    if (new_keys > 0 || !a.seqlens.has_value()) {
+      ends.resize(batch);
+      for (int64_t b = 0; b < batch; ++b) ends[b] = lengths[b] + new_keys;
+    }
+    // (batch, kv_heads, groups, Sq, d) against K/V (rows, kv_heads, 1, length, d): the query heads
+    // sharing a K/V head as one item's rows (attention_ext/kv_cache.py).
+    const int64_t groups = heads / kv_heads;
+    const at::Tensor qh = q.as_strided({batch, kv_heads, groups, seqlen_q, d},
+                                       {q.stride(0), q.stride(2) * groups, q.stride(2), q.stride(1), q.stride(3)});
+    std::tie(out, lse) = op_handle<KVCacheFwdSig>("attention_ext::attention_kvcache_fwd")
+                             .call(qh, heads_first(k_cache), heads_first(v_cache),
+                                   ends.empty() ? *a.seqlens : int32_tensor(ends), a.batch_idx, a.leftpad,
+                                   a.block_table, scale, a.causal ? 2 : 0, window_left, window_right, a.softcap,
+                                   slopes);
   }
-  std::vector<int64_t> ends;
-  if (new_keys > 0 || !a.seqlens.has_value()) {
-    ends.resize(batch);
-    for (int64_t b = 0; b < batch; ++b) ends[b] = lengths[b] + new_keys;
-  }
-  // (batch, kv_heads, groups, Sq, d) against K/V (rows, kv_heads, 1, length, d): the query heads
-  // sharing a K/V head as one item's rows (attention_ext/kv_cache.py).
-  const int64_t groups = heads / kv_heads;
-  const at::Tensor qh = q.as_strided({batch, kv_heads, groups, seqlen_q, d},
-                                     {q.stride(0), q.stride(2) * groups, q.stride(2), q.stride(1), q.stride(3)});
-  auto [out, lse] = op_handle<KVCacheFwdSig>("attention_ext::attention_kvcache_fwd")
-                        .call(qh, heads_first(k_cache), heads_first(v_cache),
-                              ends.empty() ? *a.seqlens : int32_tensor(ends), a.batch_idx, a.leftpad, a.block_table,
-                              scale, a.causal ? 2 : 0, window_left, window_right, a.softcap, slopes);
+  // (the views of the outputs made above the autograd keys, as the Python path makes them)
   return std::make_tuple(out.permute({0, 3, 1, 2, 4}).flatten(2, 3), lse.flatten(1, 2));
 }
 

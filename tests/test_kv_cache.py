@@ -314,6 +314,7 @@ BAD = [
     (dict(rotary_int=True), TypeError, "rotary_cos must be a floating tensor on cpu, got torch.int64"),
     (dict(k_list=True), TypeError, "k must be a torch.Tensor"),
     (dict(cache_seqlens=-1), ValueError, r"cache_seqlens\[0\] = -1 must be >= 0"),
+    (dict(sparse_q=True), TypeError, r"q must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
 ]
 
 
@@ -356,6 +357,8 @@ def test_bad_arguments_raise_before_anything_is_written(bad, error, message):
         kwargs.update(rotary_cos=torch.ones(60, 4, dtype=torch.int64), rotary_sin=torch.zeros(60, 4, dtype=torch.int64))
     if bad.get("k_list"):
         k_new = k_new.tolist()
+    if bad.get("sparse_q"):  # (the append used to run before q.stride() failed)
+        q = q.to_sparse()
     with pytest.raises(error, match=message):
         flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **extra, **kwargs)
     assert torch.equal(k_cache, before)
@@ -491,6 +494,7 @@ def test_a_common_step_takes_the_cxx_path_and_gives_the_python_path_s_bits(name,
     assert versions_moved[0] == versions_moved[1]
     for cxx, python in zip(*results):
         assert cxx.shape == python.shape and cxx.stride() == python.stride()
+        assert cxx._is_view() == python._is_view()  # (out and lse: views of the op's outputs)
         assert torch.equal(cxx, python)
 
 
@@ -556,6 +560,37 @@ def test_the_cxx_step_declines_what_it_does_not_take_and_writes_nothing(name):
         bad.get("alibi_slopes"), 0, True, False)
     assert step is None
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@pytest.mark.skipif(attention_ext._ops.KVCACHE_STEP is None, reason="the C++ decode step is in the prebuilt "
+                    "extension only")
+def test_the_cxx_step_declines_positions_past_int64_and_dispatch_modes():
+    """Positions the Python path takes as unbounded ints: a paged cache's capacity (blocks ×
+    block size) or an entry's end past int64, which the C++ step must not let wrap; and a torch
+    dispatch mode, which sees the Python path's ops."""
+    step = attention_ext._ops.KVCACHE_STEP
+    rest = (None, None, (-1, -1), 0.0, None, 0, True, False)  # scale, causal, window, softcap, alibi, ...
+    q = torch.randn(1, 1, 1, 1)
+    huge = torch.randn(1, 1, 1, 1).expand(1, 2 ** 61 + 1, 1, 1)  # 2**61 + 1 slots a block, one memory row
+    eight_blocks = torch.zeros(1, 1, dtype=torch.int32).expand(1, 8)  # capacity 2**64 + 8: wraps to 8
+    assert step(q, huge, huge, None, None, None, None, None, eight_blocks, *rest) is None
+    widest = torch.randn(1, 1, 1, 1).expand(1, 2 ** 63 - 1, 1, 1)
+    assert step(q, widest, widest, None, None, 5, None, None, torch.tensor([[99]], dtype=torch.int32), *rest) is None
+    k_cache, v_cache = torch.zeros(1, 8, 1, 1), torch.zeros(1, 8, 1, 1)
+    new = torch.ones(1, 1, 1, 1)
+    assert step(q, k_cache, v_cache, new, new, 2 ** 63 - 1, None, None, None, *rest) is None
+    assert not k_cache.any() and not v_cache.any()
+
+    class Passthrough(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        assert step(q, k_cache, v_cache, new, new, 2, None, None, None, *rest) is None
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=2)  # the Python path
+    assert torch.equal(k_cache[0, 2], new[0, 0]) and torch.equal(v_cache[0, 2], new[0, 0])
+    weight = q.double().exp() / (2 + q.double().exp())  # keys 0, 0, 1 (scale 1 at d = 1); values 0, 0, 1
+    torch.testing.assert_close(out.double(), weight, rtol=1e-6, atol=1e-6)
 
 
 def test_a_window_side_as_long_as_the_cache_bounds_nothing():
