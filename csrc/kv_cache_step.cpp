@@ -1,7 +1,8 @@
 #include "kv_cache_step.h"
 
+#include "op_handles.h"
+
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
@@ -14,21 +15,9 @@ namespace attention_ext {
 
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
+using op_handles::OptTensor;
 
 constexpr int64_t kMaxWindow = int64_t{1} << 62;  // (_arguments.MAX_WINDOW)
-using KVCacheFwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                          const at::Tensor&, const OptTensor&, const OptTensor&,
-                                                          const OptTensor&, double, int64_t, int64_t, int64_t, double,
-                                                          const OptTensor&);
-using KVCacheAppendSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, const OptTensor&, const OptTensor&);
-
-template <typename Sig>
-const c10::TypedOperatorHandle<Sig>& op_handle(const char* name) {
-  static const auto h = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-  return h;
-}
 
 bool float_dtype(at::ScalarType t) {
   return t == at::kDouble || t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
@@ -162,7 +151,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // (the ops record nothing: no input requires grad here)
     if (append && new_keys > 0) {  // (no rows: nothing written, no version bump, as in Python)
       const at::Tensor starts = a.seqlens.has_value() ? *a.seqlens : int32_tensor(lengths);
-      op_handle<KVCacheAppendSig>("attention_ext::attention_kvcache_append")
+      op_handles::handle<op_handles::KVCacheAppendSig, op_handles::kKVCacheAppend>()
           .call(k_cache, v_cache, *a.k, *a.v, starts, a.batch_idx, a.block_table);
       // As for an in-place op: autograd notices a saved cache written since.
       for (const at::Tensor* cache : {&k_cache, &v_cache})
@@ -178,7 +167,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
     const int64_t groups = heads / kv_heads;
     const at::Tensor qh = q.as_strided({batch, kv_heads, groups, seqlen_q, d},
                                        {q.stride(0), q.stride(2) * groups, q.stride(2), q.stride(1), q.stride(3)});
-    std::tie(out, lse) = op_handle<KVCacheFwdSig>("attention_ext::attention_kvcache_fwd")
+    std::tie(out, lse) = op_handles::handle<op_handles::KVCacheFwdSig, op_handles::kKVCacheFwd>()
                              .call(qh, heads_first(k_cache), heads_first(v_cache),
                                    ends.empty() ? *a.seqlens : int32_tensor(ends), a.batch_idx, a.leftpad,
                                    a.block_table, scale, a.causal ? 2 : 0, window_left, window_right, a.softcap,

@@ -30,17 +30,11 @@
 #include <tuple>
 
 #include "kv_cache_step.h"
+#include "op_handles.h"
 
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
-using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                  const OptTensor&, double, int64_t, int64_t, int64_t, double,
-                                                  const OptTensor&, const OptTensor&, double, const OptTensor&);
-using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
-    const at::Tensor&, const at::Tensor&, double, int64_t, int64_t, int64_t, double, const OptTensor&,
-    const OptTensor&, double, const OptTensor&, bool, bool);
+using namespace attention_ext::op_handles;
 
 // An entry's arguments in schema order. Anything but the plain kinds (a tensor subclass, a numpy
 // scalar, an int beyond int64, a wrong type) defers the call to torch.ops, which converts it or
@@ -92,14 +86,6 @@ struct Args {
   }
 };
 
-// The op's typed handle, looked up once per (op, signature): kName is the op's name as a
-// character array with static storage, so that two ops of one signature keep separate handles.
-template <typename Sig, const char* kName>
-const c10::TypedOperatorHandle<Sig>& handle() {
-  static const auto h = c10::Dispatcher::singleton().findSchemaOrThrow(kName, "").typed<Sig>();
-  return h;
-}
-
 // The op through the dispatcher, below the autograd keys, with the GIL released.
 template <typename Sig, const char* kName, typename... Args>
 auto call_below_autograd(const Args&... args) {
@@ -107,12 +93,6 @@ auto call_below_autograd(const Args&... args) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return handle<Sig, kName>().call(args...);
 }
-
-constexpr char kFwd[] = "attention_ext::attention_fwd";
-constexpr char kBwd[] = "attention_ext::attention_bwd";
-constexpr char kKVCacheFwd[] = "attention_ext::attention_kvcache_fwd";
-constexpr char kKVCacheAppend[] = "attention_ext::attention_kvcache_append";
-constexpr char kRotary[] = "attention_ext::attention_rotary";
 
 PyObject* wrap_all(std::initializer_list<at::Tensor> tensors) {
   PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(tensors.size()));
@@ -174,14 +154,6 @@ PyObject* bwd_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count
   return wrap_all({dq, dk, dv, dmask});
   END_HANDLE_TH_ERRORS
 }
-
-using KVCacheFwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                          const at::Tensor&, const OptTensor&, const OptTensor&,
-                                                          const OptTensor&, double, int64_t, int64_t, int64_t, double,
-                                                          const OptTensor&);
-using KVCacheAppendSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, const OptTensor&, const OptTensor&);
-using RotarySig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool);
 
 // attention_kvcache_fwd(query, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
 // block_table, scale, causal, window_left, window_right, softcap, alibi_slopes) -> (out, lse) | None
