@@ -81,11 +81,18 @@ struct Decoder {
   void allocate(long count, bool huge) {
     tokens = count;
     const size_t bytes = tokens * kTokenFloats * sizeof(float);
-    key = static_cast<float*>(aligned_alloc(1 << 21, bytes));
-    value = static_cast<float*>(aligned_alloc(1 << 21, bytes));
+    // 2 MiB aligned (a huge page's), the size a multiple of it as aligned_alloc asks
+    constexpr size_t kAlign = size_t{1} << 21;
+    const size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+    key = static_cast<float*>(aligned_alloc(kAlign, rounded));
+    value = static_cast<float*>(aligned_alloc(kAlign, rounded));
+    if (key == nullptr || value == nullptr) {
+      std::fprintf(stderr, "decode_overlap: could not allocate 2 x %zu bytes\n", rounded);
+      std::exit(1);
+    }
     if (huge) {
-      madvise(key, bytes, MADV_HUGEPAGE);
-      madvise(value, bytes, MADV_HUGEPAGE);
+      madvise(key, rounded, MADV_HUGEPAGE);
+      madvise(value, rounded, MADV_HUGEPAGE);
     }
     for (size_t i = 0; i < bytes / sizeof(float); ++i) {  // (first touch on the thread that reads it)
       key[i] = 1e-3f * static_cast<float>(i % 7);
