@@ -14,6 +14,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
+#include "op_arguments.h"
+#include "op_handles.h"
+
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -22,50 +25,13 @@ namespace attention_ext {
 inline namespace api {
 namespace {
 
-using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                  const at::Tensor&,
-                                                  const std::optional<at::Tensor>&, double,
-                                                  int64_t, int64_t, int64_t, double,
-                                                  const std::optional<at::Tensor>&,
-                                                  const std::optional<at::Tensor>&, double,
-                                                  const std::optional<at::Tensor>&);
-using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-    double, int64_t, int64_t, int64_t, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    double, const std::optional<at::Tensor>&, bool, bool);
-using ProbsSig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double,
-                            int64_t, int64_t, int64_t, double, const std::optional<at::Tensor>&,
-                            const std::optional<at::Tensor>&);
-using InfoSig = std::string();
-using SetVariantSig = std::string(std::string);
+using namespace op_handles;
 
-// Looked up once; findSchemaOrThrow fails with torch's message if the library that registers
-// the ops (this one) is somehow not loaded.
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
-const c10::TypedOperatorHandle<FwdSig>& fwd_op() {
-  static const auto handle = op<FwdSig>("attention_ext::attention_fwd");
-  return handle;
-}
-const c10::TypedOperatorHandle<BwdSig>& bwd_op() {
-  static const auto handle = op<BwdSig>("attention_ext::attention_bwd");
-  return handle;
-}
-const c10::TypedOperatorHandle<ProbsSig>& probs_op() {
-  static const auto handle = op<ProbsSig>("attention_ext::attention_probs");
-  return handle;
-}
-
-// Default scale 1/sqrt(d_k), 1 when d_k == 0 (every score is 0 then). Bad shapes are left to
-// the op, whose messages name the tensor.
+// The default scale (default_scale) of q's head dim. Bad shapes are left to the op, whose
+// messages name the tensor.
 double resolve_scale(const at::Tensor& q, std::optional<double> scale) {
   if (scale.has_value()) return *scale;
-  const int64_t dk = q.dim() >= 1 ? q.size(-1) : 0;
-  return dk > 0 ? 1.0 / std::sqrt(static_cast<double>(dk)) : 1.0;
+  return default_scale(q.dim() >= 1 ? q.size(-1) : 0);
 }
 
 // The backward kernels own dK/dV per key position, so the ops need key and value to have the
@@ -110,9 +76,10 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
                                                      Window window, const ScoreModifiers& modifiers) {
   at::Tensor key = k, value = v;
   expand_kv(key, value);
-  return fwd_op().call(q, key, value, defined_or_none(attn_mask), resolve_scale(q, scale),
-                       static_cast<int64_t>(causal), window.left, window.right, modifiers.softcap,
-                       defined_or_none(modifiers.alibi_slopes), sinks_for(q, modifiers), dropout_p, rng_state);
+  return handle<FwdSig, kFwd>().call(q, key, value, defined_or_none(attn_mask), resolve_scale(q, scale),
+                                     static_cast<int64_t>(causal), window.left, window.right, modifiers.softcap,
+                                     defined_or_none(modifiers.alibi_slopes), sinks_for(q, modifiers), dropout_p,
+                                     rng_state);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
@@ -124,10 +91,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
   at::Tensor key = k, value = v;
   expand_kv(key, value);
   auto [gq, gk, gv, gmask] =
-      bwd_op().call(grad_out, defined_or_none(grad_lse), q, key, value, defined_or_none(attn_mask), out, lse,
-                    resolve_scale(q, scale), static_cast<int64_t>(causal), window.left, window.right,
-                    modifiers.softcap, defined_or_none(modifiers.alibi_slopes), sinks_for(q, modifiers), dropout_p,
-                    rng_state, mask_requires_grad, /*merged_lse=*/false);
+      handle<BwdSig, kBwd>().call(grad_out, defined_or_none(grad_lse), q, key, value, defined_or_none(attn_mask),
+                                  out, lse, resolve_scale(q, scale), static_cast<int64_t>(causal), window.left,
+                                  window.right, modifiers.softcap, defined_or_none(modifiers.alibi_slopes),
+                                  sinks_for(q, modifiers), dropout_p, rng_state, mask_requires_grad,
+                                  /*merged_lse=*/false);
   // Reduce the gradients of expanded key/value back to the caller's shapes.
   if (gk.sizes() != k.sizes()) gk = gk.sum_to_size(k.sizes());
   if (gv.sizes() != v.sizes()) gv = gv.sum_to_size(v.sizes());
@@ -185,9 +153,9 @@ at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k,
                              const std::optional<at::Tensor>& attn_mask,
                              std::optional<double> scale, Causal causal, Window window,
                              const ScoreModifiers& modifiers) {
-  return probs_op().call(q, k, defined_or_none(attn_mask), resolve_scale(q, scale), static_cast<int64_t>(causal),
-                         window.left, window.right, modifiers.softcap, defined_or_none(modifiers.alibi_slopes),
-                         sinks_for(q, modifiers));
+  return handle<ProbsSig, kProbs>().call(q, k, defined_or_none(attn_mask), resolve_scale(q, scale),
+                                         static_cast<int64_t>(causal), window.left, window.right, modifiers.softcap,
+                                         defined_or_none(modifiers.alibi_slopes), sinks_for(q, modifiers));
 }
 
 // As the Python package's (attention_ext/function.py, sink_gradient): with delta = rowsum(dO ∘ O)
@@ -218,18 +186,15 @@ at::Tensor sink_gradient(const at::Tensor& sinks, const at::Tensor& out, const a
 }
 
 std::string build_info() {
-  static const auto handle = op<InfoSig>("attention_ext::build_info");
-  return handle.call();
+  return handle<InfoSig, kBuildInfo>().call();
 }
 
 std::string cpu_variant() {
-  static const auto handle = op<InfoSig>("attention_ext::cpu_variant");
-  return handle.call();
+  return handle<InfoSig, kCpuVariant>().call();
 }
 
 std::string set_cpu_variant(const std::string& name) {
-  static const auto handle = op<SetVariantSig>("attention_ext::set_cpu_variant");
-  return handle.call(name);
+  return handle<SetVariantSig, kSetCpuVariant>().call(name);
 }
 
 }  // namespace api

@@ -1,5 +1,6 @@
 #include "kv_cache_step.h"
 
+#include "op_arguments.h"
 #include "op_handles.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -8,7 +9,7 @@
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 
-#include <cmath>
+#include <algorithm>
 #include <vector>
 
 namespace attention_ext {
@@ -16,12 +17,6 @@ namespace attention_ext {
 namespace {
 
 using op_handles::OptTensor;
-
-constexpr int64_t kMaxWindow = int64_t{1} << 62;  // (_arguments.MAX_WINDOW)
-
-bool float_dtype(at::ScalarType t) {
-  return t == at::kDouble || t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
 
 // An optional per-entry argument as flash_attn_with_kvcache takes it: int32 (batch,) on the CPU.
 bool per_entry_ok(const OptTensor& t, int64_t batch) {
@@ -71,7 +66,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
     if (t->dim() != 4 || t->scalar_type() != q.scalar_type() || !t->device().is_cpu() ||
         (grad_mode && t->requires_grad()))
       return std::nullopt;
-  if (!float_dtype(q.scalar_type())) return std::nullopt;
+  if (!supported_dtype(q.scalar_type())) return std::nullopt;
   const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), d = q.size(3);
   const int64_t cache_rows = k_cache.size(0), cache_length = k_cache.size(1), kv_heads = k_cache.size(2);
   if (batch == 0 || k_cache.size(0) != v_cache.size(0) || k_cache.size(1) != v_cache.size(1) ||
@@ -112,6 +107,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
                                                              : std::vector<int64_t>(batch, 0);
   const std::vector<int64_t> rows = a.batch_idx.has_value() ? per_entry_values(*a.batch_idx)
                                                              : std::vector<int64_t>();
+  const std::optional<at::TensorAccessor<int32_t, 2>> table =
+      paged ? std::make_optional(a.block_table->accessor<int32_t, 2>()) : std::nullopt;
   for (int64_t b = 0; b < batch; ++b) {
     int64_t end = 0;
     if (__builtin_add_overflow(lengths[b], new_keys, &end) || lengths[b] < 0 || end > capacity ||
@@ -120,10 +117,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
     const int64_t row = rows.empty() ? b : rows[b];
     if (!paged && (row < 0 || row >= cache_rows)) return std::nullopt;
     if (paged) {  // every block the entry reads or writes, in the cache
-      const auto table = a.block_table->accessor<int32_t, 2>();
       const int64_t stop = end > 0 ? (end - 1) / cache_length + 1 : 0;  // (end <= capacity: within the table)
       for (int64_t j = std::min(leftpad[b], lengths[b]) / cache_length; j < stop; ++j)
-        if (table[b][j] < 0 || table[b][j] >= cache_rows) return std::nullopt;
+        if ((*table)[b][j] < 0 || (*table)[b][j] >= cache_rows) return std::nullopt;
     }
   }
   // ALiBi slopes: one per query head, or per entry and query head (flash.py's _check_alibi).
@@ -144,7 +140,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
   const int64_t window_right = right >= capacity ? -1 : right;
   // softcap 0 (none) or within every dtype's rule (_arguments.softcap_rules)
   if (!(a.softcap == 0.0 || (a.softcap >= 1e-30 && a.softcap <= 1e30))) return std::nullopt;
-  const double scale = a.scale.has_value() ? *a.scale : d > 0 ? 1.0 / std::sqrt(static_cast<double>(d)) : 1.0;
+  const double scale = a.scale.has_value() ? *a.scale : default_scale(d);
 
   at::Tensor out, lse;
   {

@@ -22,10 +22,6 @@ std::string shape_str(at::IntArrayRef s) {
   return os.str();
 }
 
-bool supported_dtype(at::ScalarType t) {
-  return t == at::kDouble || t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
-
 void check_float_tensor(const at::Tensor& t, const char* name) {
   TORCH_CHECK(supported_dtype(t.scalar_type()), "attention_ext: ", name,
               " must be a floating tensor (float64, float32, float16 or bfloat16), got ",
@@ -35,6 +31,12 @@ void check_float_tensor(const at::Tensor& t, const char* name) {
 }
 
 }  // namespace
+
+bool supported_dtype(at::ScalarType t) {
+  return t == at::kDouble || t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+double default_scale(int64_t head_dim) { return head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0; }
 
 std::vector<int64_t> with_tail(std::vector<int64_t> batch, std::initializer_list<int64_t> tail) {
   batch.insert(batch.end(), tail.begin(), tail.end());
@@ -100,7 +102,7 @@ AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k, 
   TORCH_CHECK(logit.window_left >= -1 && logit.window_right >= -1,
               "attention_ext: window bounds must be >= 0, or -1 for unbounded, got (", logit.window_left,
               ", ", logit.window_right, ")");
-  TORCH_CHECK(logit.window_left <= (int64_t(1) << 62) && logit.window_right <= (int64_t(1) << 62),
+  TORCH_CHECK(logit.window_left <= kMaxWindow && logit.window_right <= kMaxWindow,
               "attention_ext: window bounds must be at most 2**62 (they are added to int64 positions), got (",
               logit.window_left, ", ", logit.window_right, ")");
   TORCH_CHECK(std::isfinite(logit.softcap) && logit.softcap >= 0.0,

@@ -25,6 +25,15 @@ struct LogitOptions {
   std::optional<at::Tensor> sinks;  // one logit per batch position, in the lse's dtype
 };
 
+// The float dtypes the kernels take: float64, float32, float16 and bfloat16.
+bool supported_dtype(at::ScalarType t);
+
+// The largest window bound: the kernels add bounds to int64 positions (_arguments.MAX_WINDOW).
+constexpr int64_t kMaxWindow = int64_t{1} << 62;
+
+// The default softmax scale: 1/sqrt(head_dim), and 1 when head_dim is 0 (every score is 0 then).
+double default_scale(int64_t head_dim);
+
 // The validated shape of one call.
 struct AttentionShape {
   std::vector<int64_t> batch;  // broadcast batch shape of q, k, v (and the mask)
