@@ -12,7 +12,7 @@ import attention_ext
 from attention_ext import attention, draw_rng_state, dropout_mask, scaled_dot_product_attention
 from attention_ext.reference import attention_reference
 
-from conftest import ATOL, amx_tiles, assert_close_to_reference, low_precision_budget, rand
+from conftest import ATOL, amx_tiles, assert_close_to_reference, bf16_decode_on_pairs, low_precision_budget, rand
 
 # One (batch, head) pair and 5000 keys: split into 9 ranges of 576 keys (the last one shorter).
 # The decode path is the CPU kernels' own (the CUDA kernels have one forward for every n).
@@ -229,10 +229,13 @@ def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant
     the call (one row, or a GQA group's two to four: fp16/bf16 K read in place for four, packed
     for two and three; V in place through the GEMM). (Where its key falls in the tile:
     test_kv_cache's paged-against-contiguous test.) Not for fp32 groups of four or more on
-    16-lane vectors, which take their own order (the next test), nor for bf16 groups of 8 rows
-    or more in the amx variant, whose products run on AMX tiles (test_decode_bf16_groups_on_tiles_...)."""
+    16-lane vectors, which take their own order (the next test), nor for bf16 groups whose
+    products run on pairs of bf16 (test_decode_bf16_rows_on_dot_products_... and
+    test_decode_bf16_groups_on_tiles_...)."""
     if groups >= 4 and four_rows_interleaved(dtype):
         pytest.skip("fp32 groups of four on 16-lane vectors: test_decode_fp32_rows_four_at_a_time_...")
+    if dtype == torch.bfloat16 and bf16_decode_on_pairs(cpu_variant, groups, 64, 64):
+        pytest.skip("bf16 products on pairs: test_decode_bf16_rows_on_dot_products_give_each_row_one_order")
     g = torch.Generator().manual_seed(m)
     q = torch.randn(1, groups, 1, 64, generator=g).to(dtype)
     k, v = (torch.randn(1, 1, m, 64, generator=g).to(dtype) for _ in range(2))
@@ -273,6 +276,34 @@ def test_decode_fp32_rows_four_at_a_time_give_each_row_one_order(cpu_variant, m)
     assert_close_to_reference(alone, ref, torch.float32)
 
 
+@pytest.mark.parametrize("m", [70, 203])  # whole chunks of keys, then a short one ending in single keys
+def test_decode_bf16_rows_on_dot_products_give_each_row_one_order(cpu_variant, m):
+    """bf16 in the avx512bf16 variant, two or more query rows per K/V head: the products run as
+    AVX512-BF16 dot products (csrc/cpu/decode_bf16_dot.inc). Each logit is four partial sums of
+    pairs over d, added pairwise, whatever the other rows; P is rounded to bf16 and each O element
+    summed over pairs of consecutive keys in order. A row's bits are then the same in a group of
+    2 to 8 rows, wherever it sits in the group, and as rows of one head; one row alone takes the
+    vector code. Both within the bf16 budget of the float64 reference."""
+    if not bf16_decode_on_pairs(cpu_variant, 2, 64, 64):
+        pytest.skip("bf16 decode on dot products: the avx512bf16 variant only")
+    g = torch.Generator().manual_seed(m)
+    q = torch.randn(1, 8, 1, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 1, m, 64, generator=g).bfloat16() for _ in range(2))
+    eight, eight_lse = attention(q, k, v, enable_gqa=True, return_lse=True)
+    for size, first in [(2, 0), (2, 5), (3, 1), (4, 4), (5, 3), (7, 0)]:
+        part, part_lse = attention(q[:, first:first + size], k, v, enable_gqa=True, return_lse=True)
+        assert torch.equal(part, eight[:, first:first + size]), (size, first)
+        assert torch.equal(part_lse, eight_lse[:, first:first + size]), (size, first)
+    rows, rows_lse = attention(q[:, :4].transpose(1, 2), k, v, return_lse=True)
+    assert torch.equal(rows, eight[:, :4].transpose(1, 2)) and torch.equal(rows_lse, eight_lse[:, :4].transpose(1, 2))
+    alone = torch.cat([attention(q[:, h:h + 1], k, v) for h in range(8)], 1)
+    assert not torch.equal(alone, eight), "the dot products gave the vector code's bits"
+    ref = attention_reference(q.double(), k.double(), v.double(), enable_gqa=True)[0]
+    budget = low_precision_budget(((q, k, v), dict(enable_gqa=True)), torch.bfloat16, ref)
+    assert_close_to_reference(eight, ref, torch.bfloat16, budget=budget)
+    assert_close_to_reference(alone, ref, torch.bfloat16, budget=budget)
+
+
 STORAGE_ORDER = [(2, 2, 1), (8, 2, 1), (4, 2, 2), (4, 4, 4), (2, 2, 3), (8, 2, 2), (6, 2, 3)]
 
 
@@ -294,11 +325,14 @@ def test_decode_interleaved_heads_give_the_same_bits_as_heads_stored_apart(cpu_v
 
 
 # bf16 calls with 8 to 32 rows per K/V head (heads x n) take the products on AMX tiles in the amx
-# variant (csrc/cpu/decode_bf16_amx.inc): Sᵀ = K Qᵀ per chunk of 16 keys, O += P V per 32. Rows:
-# 8, 16 (one block of tile rows), 20 and 32 (two); keys: whole chunks, a short last chunk (203, 70)
-# and several key ranges merged (3000); dv != dk.
+# variant (csrc/cpu/decode_bf16_amx.inc): Sᵀ = K Qᵀ per chunk of 16 keys, O += P V per 32; from 2
+# rows on AVX512-BF16 dot products in the avx512bf16 variant (decode_bf16_dot.inc), four rows per
+# vector. Rows: 2, 3, 5 (a short last group of four), 8, 16 (one block of tile rows), 20 and 32
+# (two); keys: whole chunks, a short last chunk (203, 70) and several key ranges merged (3000);
+# dv != dk, dk = 8 (two steps of four pairs).
 TILE_DECODE = [(8, 1, 1, 64, 64, 203), (16, 4, 4, 64, 64, 70), (20, 1, 1, 64, 64, 100), (32, 1, 1, 128, 128, 3000),
-               (8, 1, 2, 64, 128, 203), (12, 4, 3, 32, 32, 130)]
+               (8, 1, 2, 64, 128, 203), (12, 4, 3, 32, 32, 130), (2, 1, 1, 64, 64, 203), (6, 2, 1, 8, 32, 77),
+               (5, 1, 1, 128, 96, 130), (2, 2, 1, 64, 64, 3000)]
 
 
 @pytest.mark.parametrize("hq,hkv,n,dk,dv,m", TILE_DECODE, ids=[f"{a}q{b}kv_n{c}_d{d}x{e}_m{f}" for a, b, c, d, e, f in TILE_DECODE])
@@ -337,8 +371,9 @@ def test_decode_bf16_group_on_tiles_draws_dropout_by_position(cpu_variant):
 
 
 def test_decode_bf16_on_tiles_counts_subnormal_values_as_zero(cpu_variant):
-    """One key, so each output is 1 x v: exact on vector units; the tile products (amx variant,
-    8 or more rows) treat subnormal bf16 inputs as zero, as every AMX/AVX512-BF16 product does."""
+    """One key, so each output is 1 x v: exact on vector units; the products on pairs (amx
+    variant, 8 or more rows; avx512bf16, 2 or more) treat subnormal bf16 inputs as zero, as every
+    AMX/AVX512-BF16 product does."""
     bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
     values = bits.view(torch.bfloat16)
     finite = torch.isfinite(values)
@@ -348,7 +383,7 @@ def test_decode_bf16_on_tiles_counts_subnormal_values_as_zero(cpu_variant):
     out = scaled_dot_product_attention(q, k, v, enable_gqa=True)
     subnormal = (v != 0) & (v.float().abs() < torch.finfo(torch.bfloat16).tiny)
     assert subnormal.any()
-    want = torch.where(subnormal, torch.zeros_like(v), v) if cpu_variant == "amx" and amx_tiles() else v
+    want = torch.where(subnormal, torch.zeros_like(v), v) if bf16_decode_on_pairs(cpu_variant, 8, 32, v.shape[-1]) else v
     for h in range(8):
         assert torch.equal(out[0, h].float(), want[0, 0].float()), (cpu_variant, h)  # (-0 == +0)
 
@@ -361,7 +396,9 @@ def test_decode_reads_every_bf16_value_exactly(cpu_variant, rows, tail):
     65536) by one query row, or by up to four through the GEMM's register block; converted into a
     tile otherwise (a partial last vector: dv = 65541; or more rows than one register block). With
     one key each output is 1 x v, so every one of the 65536 bit patterns, infinities and NaNs
-    included, must come back unchanged (-0 comes back +0: the sum starts from +0)."""
+    included, must come back unchanged (-0 comes back +0: the sum starts from +0), but for the
+    subnormals where the products run on pairs of bf16 (avx512bf16, two rows and whole vectors),
+    which count them as zero."""
     bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
     values = torch.cat([bits, bits[:tail]]).view(torch.bfloat16)
     v = values.reshape(1, 1, 1, -1)
@@ -369,7 +406,11 @@ def test_decode_reads_every_bf16_value_exactly(cpu_variant, rows, tail):
     k = torch.ones(1, 1, 1, 8, dtype=torch.bfloat16)
     out = scaled_dot_product_attention(q, k, v)
     nan = torch.isnan(values)
+    want = values
+    if bf16_decode_on_pairs(cpu_variant, rows, 8, v.shape[-1]):
+        subnormal = (values != 0) & (values.float().abs() < torch.finfo(torch.bfloat16).tiny)
+        want = torch.where(subnormal, torch.zeros_like(values), values)
     for r in range(rows):
         got = out[0, 0, r]
         assert torch.equal(torch.isnan(got), nan), cpu_variant
-        assert torch.equal(got[~nan].float(), values[~nan].float()), cpu_variant  # (-0 == +0)
+        assert torch.equal(got[~nan].float(), want[~nan].float()), cpu_variant  # (-0 == +0)

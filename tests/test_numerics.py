@@ -28,7 +28,7 @@ import torch
 import attention_ext
 from attention_ext.reference import attention_reference
 
-from conftest import CUDA_EMULATION, amx_tiles
+from conftest import CUDA_EMULATION, amx_tiles, bf16_decode_on_pairs
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 ACC = {torch.float64: torch.float64, torch.float32: torch.float32, torch.float16: torch.float32,
@@ -436,10 +436,12 @@ def test_low_precision_inputs_convert_exactly(cpu_variant, dtype, n, d):
     q = torch.zeros(2, n, k.shape[-1], dtype=dtype)
     out = attention_ext.attention(q, k, v)
     expected = (ints * unit).mean(0).to(dtype).expand(2, n, d)
-    if (cpu_variant == "avx512bf16" or cpu_variant == "amx" and amx_tiles()) and dtype == torch.bfloat16 and n > 8 \
-            and not CUDA_EMULATION:
+    on_pairs = (cpu_variant == "avx512bf16" or cpu_variant == "amx" and amx_tiles()) if n > 8 else \
+        bf16_decode_on_pairs(cpu_variant, n, k.shape[-1], d)
+    if on_pairs and dtype == torch.bfloat16 and not CUDA_EMULATION:
         # The AVX512-BF16 dot-product and AMX tile instructions (the bf16 tiled forward of those
-        # variants) treat subnormal inputs and results as zero, as oneDNN's bf16 GEMMs there do.
+        # variants, and their decode where it runs on pairs) treat subnormal inputs and results as
+        # zero, as oneDNN's bf16 GEMMs there do.
         expected = torch.zeros_like(expected)
     finite = torch.ones(d, dtype=torch.bool)
     finite[1:4] = False
