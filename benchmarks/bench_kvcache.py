@@ -7,6 +7,8 @@ bound by reading K and V once, so every row reports GB/s of K/V read per call ag
 machine's streaming read bandwidth measured in the same run (bench.measure_bandwidth: a 512 MiB
 tensor read once). Per (dtype, cached tokens, batch·kv_heads, query rows) it times, interleaved:
   * ours contiguous: flash_attn_with_kvcache on a (batch, tokens, kv_heads, d) cache;
+  * ours contiguous, VARIANT (with --also-variant VARIANT): the same call on another CPU kernel
+    variant's code (e.g. avx512, whose bf16 decode converts to fp32, beside avx512bf16's dot products);
   * ours paged 16 / paged 256: caches of the same shape and size (keys drawn afresh for each: the
     timing does not depend on the values) in shuffled blocks of 16 / 256 rows through a block table;
   * torch sliced: torch's scaled_dot_product_attention over the cache's filled rows (a view,
@@ -51,7 +53,19 @@ def make_cache(batch, kv_heads, tokens, dtype, block_size, g):
     return kp, vp, table
 
 
-def run_config(dtype, tokens, batch, kv_heads, heads_per_kv, rows, reps, warmup):
+def under_variant(variant, fn):
+    """fn run with the CPU kernel variant `variant` active, the previous one restored after."""
+    def step():
+        previous = attention_ext.cpu_variant()
+        attention_ext.set_cpu_variant(variant)
+        try:
+            fn()
+        finally:
+            attention_ext.set_cpu_variant(previous)
+    return step
+
+
+def run_config(dtype, tokens, batch, kv_heads, heads_per_kv, rows, reps, warmup, also_variant=None):
     g = torch.Generator().manual_seed(0)
     heads = kv_heads * heads_per_kv
     q = torch.randn(batch, rows, heads, D, generator=g).to(dtype)
@@ -65,6 +79,8 @@ def run_config(dtype, tokens, batch, kv_heads, heads_per_kv, rows, reps, warmup)
     for name, (kc, vc, bt) in caches.items():
         steps["ours " + name] = (lambda kc=kc, vc=vc, bt=bt: flash_attn_with_kvcache(
             q, kc, vc, cache_seqlens=lengths, block_table=bt, causal=True))
+    if also_variant:  # the same contiguous call on another variant's kernels, interleaved with the rest
+        steps[f"ours contiguous, {also_variant}"] = under_variant(also_variant, steps["ours contiguous"])
     steps["torch sliced"] = lambda: bench.torch_sdpa_gqa(qt, k.transpose(1, 2), v.transpose(1, 2))
     steps["torch gathered"] = lambda: bench.torch_sdpa_gqa(
         qt, kp[table.long()].flatten(1, 2).transpose(1, 2), vp[table.long()].flatten(1, 2).transpose(1, 2))
@@ -156,8 +172,13 @@ def main(argv=None):
                     help="query heads per KV head (GQA group size; 1: one query head per KV head)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--also-variant", default=None,
+                    help="also time the contiguous call on this CPU kernel variant (e.g. avx512 beside avx512bf16)")
     ap.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     a = ap.parse_args(argv)
+    if a.also_variant and a.also_variant not in attention_ext.build_info()["cpu_variants_supported"].split(","):
+        ap.error(f"--also-variant {a.also_variant}: this CPU and build support "
+                 f"{attention_ext.build_info()['cpu_variants_supported']}")
     bw_first = bench.measure_bandwidth()
     bw_start = bw_first["gbps"]
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"  # (torch's CPU allocator asks for huge pages)
@@ -175,7 +196,7 @@ def main(argv=None):
                 batch, kv_heads = (int(x) for x in spec.split("x"))
                 for nrows in (int(r) for r in a.rows.split(",")):
                     results, kv_bytes = run_config(dtype, tokens, batch, kv_heads, a.heads_per_kv, nrows, a.reps,
-                                                     a.warmup)
+                                                     a.warmup, a.also_variant)
                     rows.append({"dtype": dtype_name, "tokens": tokens, "batch": batch, "kv_heads": kv_heads,
                                  "rows": nrows, "kv_bytes": kv_bytes, "results": results})
                     print(f"{dtype_name} {tokens:6d} {batch}x{kv_heads} rows {nrows}: " + ", ".join(

@@ -211,6 +211,23 @@ def test_kvcache_benchmark_times_every_layout_the_append_and_the_rotary(tmp_path
     assert "% of bandwidth" in text and "Heads = 2 x kv_heads (GQA)" in text and result["meta"]["heads_per_kv"] == 2
 
 
+@pytest.mark.slow_on_emulation
+def test_kvcache_benchmark_times_another_variant_beside_and_refuses_an_unsupported_one(tmp_path):
+    prefix = tmp_path / "kv"
+    args = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_kvcache.py"), "--lengths", "256", "--batches",
+            "1x2", "--rows", "2", "--dtypes", "bfloat16", "--reps", "1", "--warmup", "0"]
+    proc = subprocess.run(args + ["--also-variant", "generic", "--out", str(prefix)], capture_output=True, text=True,
+                          timeout=600, env=env_importing_this_attention_ext())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "kv.json").read_text())
+    (row,) = result["rows"]
+    assert "ours contiguous, generic" in row["results"] and row["results"]["ours contiguous, generic"]["gbps"] > 0
+    assert "| ours contiguous, generic |" in (tmp_path / "kv.md").read_text()
+    proc = subprocess.run(args + ["--also-variant", "nonesuch"], capture_output=True, text=True, timeout=600,
+                          env=env_importing_this_attention_ext())
+    assert proc.returncode == 2 and "--also-variant nonesuch: this CPU and build support" in proc.stderr
+
+
 def test_call_overhead_benchmark_times_our_call_its_parts_and_the_floors(tmp_path):
     prefix = tmp_path / "overhead"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_call_overhead.py"), "--shape",
