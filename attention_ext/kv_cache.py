@@ -360,14 +360,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     """FlashAttention 2's flash_attn_with_kvcache (see the module docstring)."""
-    # An eager CPU step without rotary in one C++ call, which checks what this function checks below
-    # and answers None for anything else, or anything these checks would refuse, before writing:
-    # then this function runs and decides (csrc/kv_cache_step.h).
-    if _ops.KVCACHE_STEP is not None and rotary_cos is None and rotary_sin is None \
-            and not torch.compiler.is_compiling() and not forward_ad_possible():
-        result = _ops.KVCACHE_STEP(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
-                                   block_table, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                   num_splits, rotary_interleaved, return_softmax_lse)
+    # An eager CPU step in one C++ call, which checks what this function checks below and answers
+    # None for anything else, or anything these checks would refuse, before writing: then this
+    # function runs and decides (csrc/kv_cache_step.h).
+    if _ops.KVCACHE_STEP is not None and not torch.compiler.is_compiling() and not forward_ad_possible():
+        result = _ops.KVCACHE_STEP(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                   cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
+                                   softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
         if result is not None:
             return result
     paged = block_table is not None

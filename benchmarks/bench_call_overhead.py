@@ -25,10 +25,12 @@ torch's SDPA with enable_gqa (a decode step's comparison; subject to the swings 
 the minima too).
 With --kvcache, a fourth group times a decode step through flash_attn_with_kvcache (n new query
 rows against a (B, m, N, d) cache holding m keys, causal): attending alone; appending the n new
-keys and values in place, then attending; both again through the Python path, with the C++ step
-that takes such calls whole switched off (csrc/kv_cache_step.h; prebuilt extension only); the
-attention op alone (its direct entry, as the call makes it); and torch's step over the same cache:
-SDPA over it (enable_gqa, a view), and writing the new rows by slice assignment, then SDPA.
+keys and values in place, then attending; the same after rotating q and the new keys (rotary
+tables over the whole head dim, GPT-NeoX halves, as a Llama step); all three again through the
+Python path, with the C++ step that takes such calls whole switched off (csrc/kv_cache_step.h;
+prebuilt extension only); the attention op alone (its direct entry, as the call makes it); and
+torch's step over the same cache: SDPA over it (enable_gqa, a view), writing the new rows by slice
+assignment, then SDPA, and the same after rotating q and the new keys with torch ops.
 """
 from __future__ import annotations
 
@@ -128,22 +130,42 @@ def decode_step_calls(q, kv_heads, m, g, direct):
                 _ops.KVCACHE_STEP = step
         return call
 
+    # Rotary (GPT-NeoX halves over the whole head dim) at the new rows' positions, as a Llama step.
+    angles = torch.arange(m, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
+    cos, sin = angles.cos().float(), angles.sin().float()
+    cos_new, sin_new = (torch.cat((t[m - n:], t[m - n:]), -1)[None, :, None] for t in (cos, sin))  # (1, n, 1, d)
+
+    def rotate_half(x):
+        return torch.cat((-x[..., d // 2:], x[..., :d // 2]), -1)
+
+    def torch_rotary_write_then_attend():
+        q_rot = q_tokens * cos_new + rotate_half(q_tokens) * sin_new
+        k_cache[:, m - n:] = k_new * cos_new + rotate_half(k_new) * sin_new
+        v_cache[:, m - n:] = v_new
+        return bench.torch_sdpa_gqa(q_rot.transpose(1, 2), kt, vt)
+
     attend = no_grad(lambda: flash_attn_with_kvcache(q_tokens, k_cache, v_cache, cache_seqlens=filled,
                                                      causal=True))
     append = no_grad(lambda: flash_attn_with_kvcache(q_tokens, k_cache, v_cache, k_new, v_new,
                                                      cache_seqlens=before, causal=True))
+    rotary = no_grad(lambda: flash_attn_with_kvcache(q_tokens, k_cache, v_cache, k_new, v_new, rotary_cos=cos,
+                                                     rotary_sin=sin, cache_seqlens=before, causal=True,
+                                                     rotary_interleaved=False))
     python_rows = {}
     if _ops.KVCACHE_STEP is not None:
         python_rows = {"ours: attend, Python path": python_path(attend),
-                       "ours: append n rows, attend, Python path": python_path(append)}
+                       "ours: append n rows, attend, Python path": python_path(append),
+                       "ours: rotary, append n rows, attend, Python path": python_path(rotary)}
     return {
         "ours: attend": attend,
         "ours: append n rows, attend": append,
+        "ours: rotary, append n rows, attend": rotary,
         **python_rows,
         f"the attention op alone ({direct})": no_grad(lambda: call_below_autograd(ops.attention_kvcache_fwd,
                                                                                  *op_args)),
         "torch: SDPA over the cache": no_grad(lambda: bench.torch_sdpa_gqa(q, kt, vt)),
         "torch: write n rows (slice assignment), SDPA": no_grad(torch_write_then_attend),
+        "torch: rotary (torch ops), write n rows, SDPA": no_grad(torch_rotary_write_then_attend),
     }
 
 

@@ -57,7 +57,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
   std::vector<const at::Tensor*> inputs{&q, &k_cache, &v_cache};
   if (append) inputs.insert(inputs.end(), {&*a.k, &*a.v});
   std::vector<const at::Tensor*> all = inputs;
-  for (const OptTensor* t : {&a.seqlens, &a.batch_idx, &a.leftpad, &a.block_table, &a.alibi_slopes})
+  for (const OptTensor* t :
+       {&a.seqlens, &a.batch_idx, &a.leftpad, &a.block_table, &a.alibi_slopes, &a.rotary_cos, &a.rotary_sin})
     if (t->has_value()) all.push_back(&**t);
   for (const at::Tensor* t : all)  // (dense tensors only: no sparse, mkldnn or nested layout)
     if (t->layout() != at::kStrided || t->is_nested()) return std::nullopt;
@@ -140,15 +141,42 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
   const int64_t window_right = right >= capacity ? -1 : right;
   // softcap 0 (none) or within every dtype's rule (_arguments.softcap_rules)
   if (!(a.softcap == 0.0 || (a.softcap >= 1e-30 && a.softcap <= 1e30))) return std::nullopt;
+  // Rotary tables: both, with new keys to rotate; float64/32/16 or bf16 (the rotary op's; other
+  // float dtypes take the Python path's torch ops) on the CPU, (seqlen_ro, rotary_dim / 2) with
+  // rotary_dim <= d, every position they rotate within them (kv_cache.py's _check_rotary_reach).
+  // FlashAttention rotates q row by row at its rows' positions only for a causal or windowed call
+  // (the window sides as given, after the capacity rule), else every row at the entry's start.
+  const bool rotary = a.rotary_cos.has_value() || a.rotary_sin.has_value();
+  const bool rotary_local =
+      a.causal || window_left >= 0 || (a.window_right >= capacity ? int64_t{-1} : a.window_right) >= 0;
+  if (rotary) {
+    if (!a.rotary_cos.has_value() || !a.rotary_sin.has_value() || !append) return std::nullopt;
+    const at::Tensor &cos = *a.rotary_cos, &sin = *a.rotary_sin;
+    for (const at::Tensor* t : {&cos, &sin})
+      if (!supported_dtype(t->scalar_type()) || !t->device().is_cpu() || t->dim() != 2) return std::nullopt;
+    if (cos.sizes() != sin.sizes() || 2 * cos.size(1) > d) return std::nullopt;
+    const int64_t longest = *std::max_element(lengths.begin(), lengths.end());  // (batch > 0)
+    const int64_t last = std::max(new_keys > 0 ? longest + new_keys - 1 : int64_t{-1},
+                                  seqlen_q > 0 ? longest + (rotary_local ? seqlen_q - 1 : 0) : int64_t{-1});
+    if (last >= cos.size(0)) return std::nullopt;
+  }
   const double scale = a.scale.has_value() ? *a.scale : default_scale(d);
 
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // (the ops record nothing: no input requires grad here)
+    // Where each entry's new keys go (and the positions rotary rotates them at).
+    const at::Tensor starts = append ? (a.seqlens.has_value() ? *a.seqlens : int32_tensor(lengths)) : at::Tensor();
+    at::Tensor q_rows = q, k_rows = append ? *a.k : at::Tensor();
+    if (rotary) {  // (the tables detached, as in Python: nothing here records a graph)
+      const auto& rotate = op_handles::handle<op_handles::RotarySig, op_handles::kRotary>();
+      const at::Tensor cos = a.rotary_cos->detach(), sin = a.rotary_sin->detach();
+      k_rows = rotate.call(k_rows, cos, sin, starts, true, a.rotary_interleaved);
+      q_rows = rotate.call(q, cos, sin, starts, rotary_local, a.rotary_interleaved);
+    }
     if (append && new_keys > 0) {  // (no rows: nothing written, no version bump, as in Python)
-      const at::Tensor starts = a.seqlens.has_value() ? *a.seqlens : int32_tensor(lengths);
       op_handles::handle<op_handles::KVCacheAppendSig, op_handles::kKVCacheAppend>()
-          .call(k_cache, v_cache, *a.k, *a.v, starts, a.batch_idx, a.block_table);
+          .call(k_cache, v_cache, k_rows, *a.v, starts, a.batch_idx, a.block_table);
       // As for an in-place op: autograd notices a saved cache written since.
       for (const at::Tensor* cache : {&k_cache, &v_cache})
         if (!cache->is_inference()) cache->unsafeGetTensorImpl()->bump_version();
@@ -161,8 +189,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
     // (batch, kv_heads, groups, Sq, d) against K/V (rows, kv_heads, 1, length, d): the query heads
     // sharing a K/V head as one item's rows (attention_ext/kv_cache.py).
     const int64_t groups = heads / kv_heads;
-    const at::Tensor qh = q.as_strided({batch, kv_heads, groups, seqlen_q, d},
-                                       {q.stride(0), q.stride(2) * groups, q.stride(2), q.stride(1), q.stride(3)});
+    const at::Tensor qh =
+        q_rows.as_strided({batch, kv_heads, groups, seqlen_q, d},
+                          {q_rows.stride(0), q_rows.stride(2) * groups, q_rows.stride(2), q_rows.stride(1),
+                           q_rows.stride(3)});
     std::tie(out, lse) = op_handles::handle<op_handles::KVCacheFwdSig, op_handles::kKVCacheFwd>()
                              .call(qh, heads_first(k_cache), heads_first(v_cache),
                                    ends.empty() ? *a.seqlens : int32_tensor(ends), a.batch_idx, a.leftpad,

@@ -1,7 +1,7 @@
-// flash_attn_with_kvcache's eager decode step on CPU tensors in one C++ call, for every call
-// without rotary embeddings (attention_ext/kv_cache.py takes those, and traced ones):
-// the package's argument checks, the in-place append of the new keys and values, the views the
-// attention op takes and the op itself. A decode step of a small model is a few microseconds of
+// flash_attn_with_kvcache's eager decode step on CPU tensors in one C++ call (attention_ext/kv_cache.py
+// takes traced calls, and those under forward-mode AD or a functorch transform): the package's
+// argument checks, the rotary embedding of q and the new keys (rotary.h, through the op), the
+// in-place append of the new keys and values, the views the attention op takes and the op itself. A decode step of a small model is a few microseconds of
 // kernel; in Python the same checks and views cost about twice that again (benchmarks/README.md).
 //
 // The step never raises an error of its own: any argument the Python path would refuse, or that
@@ -20,6 +20,7 @@ namespace attention_ext {
 struct KVCacheStepArgs {
   at::Tensor q, k_cache, v_cache;                // (B, Sq, heads, d), (rows | blocks, S | block_size, kv_heads, d)
   std::optional<at::Tensor> k, v;                // the new keys and values (B, S_new, kv_heads, d), or none
+  std::optional<at::Tensor> rotary_cos, rotary_sin;  // (seqlen_ro, rotary_dim / 2), float64/32/16, bf16
   std::optional<at::Tensor> seqlens;             // cache_seqlens as an int32 (B,) tensor,
   std::optional<int64_t> seqlens_all;            // or as one int for every entry (neither: every cache full)
   std::optional<at::Tensor> batch_idx, leftpad;  // int32 (B,)
@@ -29,6 +30,7 @@ struct KVCacheStepArgs {
   int64_t window_left = -1, window_right = -1;   // window_size as given (-1: unbounded)
   double softcap = 0.0;                          // (0: none)
   std::optional<at::Tensor> alibi_slopes;        // float32 (heads,) or (B, heads)
+  bool rotary_interleaved = true;                // pairs (2i, 2i + 1), else the halves (GPT-NeoX)
 };
 
 // (out (B, Sq, heads, d_v), lse (B, heads, Sq)), or nullopt: the Python path decides.

@@ -200,10 +200,10 @@ PyObject* rotary_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t co
   END_HANDLE_TH_ERRORS
 }
 
-// flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
-// block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
-// rotary_interleaved, return_softmax_lse), the rotary tables left out (their calls take the Python
-// path): out, or (out, softmax_lse), or None: the Python path decides. Taken here: exact tensors (no
+// flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+// cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+// rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse), its parameters in its order:
+// out, or (out, softmax_lse), or None: the Python path decides. Taken here: exact tensors (no
 // subclass) and None; cache_seqlens also as an exact int; softmax_scale None or a finite float
 // (|scale| <= 1e30, within every dtype's rule); causal, rotary_interleaved and return_softmax_lse
 // as bools; window_size a tuple of two ints; softcap None or a float; num_splits an int >= 0 (a
@@ -211,27 +211,29 @@ PyObject* rotary_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t co
 // answers None.
 PyObject* kvcache_step(PyObject*, PyObject* const* items, Py_ssize_t count) {
   HANDLE_TH_ERRORS
-  Args a{"kvcache_step", items, count, 17};
+  Args a{"kvcache_step", items, count, 19};
   attention_ext::KVCacheStepArgs step;
   step.q = a.tensor(0);
   step.k_cache = a.tensor(1);
   step.v_cache = a.tensor(2);
   step.k = a.optional_tensor(3);
   step.v = a.optional_tensor(4);
-  if (PyLong_CheckExact(items[5]))
-    step.seqlens_all = a.integer(5);
+  step.rotary_cos = a.optional_tensor(5);
+  step.rotary_sin = a.optional_tensor(6);
+  if (PyLong_CheckExact(items[7]))
+    step.seqlens_all = a.integer(7);
   else
-    step.seqlens = a.optional_tensor(5);
-  step.batch_idx = a.optional_tensor(6);
-  step.leftpad = a.optional_tensor(7);
-  step.block_table = a.optional_tensor(8);
-  if (items[9] != Py_None) {
-    const double scale = a.real(9);
+    step.seqlens = a.optional_tensor(7);
+  step.batch_idx = a.optional_tensor(8);
+  step.leftpad = a.optional_tensor(9);
+  step.block_table = a.optional_tensor(10);
+  if (items[11] != Py_None) {
+    const double scale = a.real(11);
     if (!(std::abs(scale) <= 1e30)) Py_RETURN_NONE;  // (NaN too)
     step.scale = scale;
   }
-  step.causal = a.boolean(10);
-  PyObject* window = items[11];
+  step.causal = a.boolean(12);
+  PyObject* window = items[13];
   if (!PyTuple_CheckExact(window) || PyTuple_GET_SIZE(window) != 2) Py_RETURN_NONE;
   for (int side = 0; side < 2; ++side) {
     PyObject* bound = PyTuple_GET_ITEM(window, side);
@@ -243,11 +245,11 @@ PyObject* kvcache_step(PyObject*, PyObject* const* items, Py_ssize_t count) {
     }
     (side == 0 ? step.window_left : step.window_right) = value;
   }
-  if (items[12] != Py_None) step.softcap = a.real(12);
-  step.alibi_slopes = a.optional_tensor(13);
-  const bool splits_ok = PyLong_CheckExact(items[14]) && a.integer(14) >= 0;
-  a.boolean(15);
-  const bool return_lse = a.boolean(16);
+  if (items[14] != Py_None) step.softcap = a.real(14);
+  step.rotary_interleaved = a.boolean(15);
+  step.alibi_slopes = a.optional_tensor(16);
+  const bool splits_ok = PyLong_CheckExact(items[17]) && a.integer(17) >= 0;
+  const bool return_lse = a.boolean(18);
   if (a.deferred || !splits_ok) Py_RETURN_NONE;
   std::optional<std::tuple<at::Tensor, at::Tensor>> result;
   {
@@ -275,8 +277,8 @@ PyMethodDef methods[] = {
     {"rotary_below_autograd", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rotary_below_autograd)),
      METH_FASTCALL, "attention_rotary's arguments; the op below the autograd keys, or None: call torch.ops then."},
     {"kvcache_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(kvcache_step)), METH_FASTCALL,
-     "flash_attn_with_kvcache's arguments but the rotary tables; a CPU decode step without rotary in one "
-     "call (out, or (out, lse)), or None: the Python path decides."},
+     "flash_attn_with_kvcache's arguments, in its order; a CPU decode step in one call (out, or (out, lse)), "
+     "or None: the Python path decides."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -275,8 +275,9 @@ def test_call_overhead_benchmark_times_a_decode_step_beside_torch_s(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "step.json").read_text())
     step = result["results"]["decode step against a KV cache, no autograd"]
-    assert {"ours: attend", "ours: append n rows, attend", "torch: SDPA over the cache",
-            "torch: write n rows (slice assignment), SDPA"} < set(step)
+    assert {"ours: attend", "ours: append n rows, attend", "ours: rotary, append n rows, attend",
+            "torch: SDPA over the cache", "torch: write n rows (slice assignment), SDPA",
+            "torch: rotary (torch ops), write n rows, SDPA"} < set(step)
     assert all(row[0] > 0 for row in step.values())
     assert "--kvcache" in (tmp_path / "step.md").read_text()
 

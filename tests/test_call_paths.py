@@ -369,8 +369,10 @@ def test_the_decode_step_s_direct_entries_call_the_ops_and_give_their_bits():
 
 
 def test_a_cpu_decode_step_takes_the_direct_entries(monkeypatch):
-    """flash_attn_with_kvcache on CPU tensors calls its three ops through their direct entries (a
-    torch.ops call converts every argument through the schema: microseconds a step)."""
+    """flash_attn_with_kvcache on CPU tensors runs as one C++ call (csrc/kv_cache_step.h), which
+    calls its ops itself; its Python path (the C++ step switched off, or a JIT build without it)
+    calls the three ops through their direct entries (a torch.ops call converts every argument
+    through the schema: microseconds a step)."""
     from attention_ext import _ops
     direct_entries()
     used = []
@@ -381,9 +383,17 @@ def test_a_cpu_decode_step_takes_the_direct_entries(monkeypatch):
                             _entry(*args))
     q, k_cache, v_cache, k_new, v_new, starts = decode_step_arguments(seed=2)
     cos, sin = torch.randn(16, 3), torch.randn(16, 3)
-    with torch.no_grad():
-        attention_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
-                                              cache_seqlens=starts, causal=True)
+
+    def step():
+        with torch.no_grad():
+            attention_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                                  cache_seqlens=starts, causal=True)
+
+    if _ops.KVCACHE_STEP is not None:
+        step()
+        assert used == [], "the C++ step left the call to the Python path"
+        monkeypatch.setattr(_ops, "KVCACHE_STEP", None)
+    step()
     assert used == [ops.attention_rotary] * 2 + [ops.attention_kvcache_append, ops.attention_kvcache_fwd]
 
 

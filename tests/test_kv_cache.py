@@ -436,6 +436,15 @@ STEP_CALLS = {  # common decode steps: (cache layout, call arguments beyond q an
     "window_as_long_as_the_cache": ("contiguous", dict(new=1, cache_seqlens="tensor", window_size=(40, 40))),
     "alibi_per_head": ("contiguous", dict(new=1, causal=True, cache_seqlens="tensor", alibi="per_head")),
     "alibi_per_entry": ("paged", dict(cache_seqlens="tensor", alibi="per_entry")),
+    # rotary: q and the new keys rotated before the append (q row by row when causal or windowed)
+    "rotary_interleaved_causal": ("contiguous", dict(new=1, causal=True, cache_seqlens="tensor", rotary=16)),
+    "rotary_halves_part_of_d": ("contiguous", dict(new=2, cache_seqlens="tensor", rotary=8,
+                                                   rotary_interleaved=False)),
+    "rotary_paged_speculative": ("paged", dict(new=3, causal=True, cache_seqlens="tensor", rotary=16,
+                                               rotary_dtype=torch.bfloat16, return_softmax_lse=True)),
+    "rotary_window_int_seqlens": ("contiguous", dict(new=1, cache_seqlens=9, window_size=(4, 0), rotary=12,
+                                                     rotary_dtype=torch.float64, rotary_interleaved=False)),
+    "rotary_zero_new_rows": ("contiguous", dict(zero_new=True, cache_seqlens="tensor", rotary=16)),
 }
 
 
@@ -450,6 +459,11 @@ def step_arguments(layout, spec, dtype=torch.float32, seed=0):
     zero_new = spec.pop("zero_new", False)  # k and v given, with no rows
     kwargs = dict(extra, **spec)
     alibi = kwargs.pop("alibi", None)
+    rotary_dim = kwargs.pop("rotary", None)
+    rotary_dtype = kwargs.pop("rotary_dtype", torch.float32)
+    if rotary_dim is not None:  # (seqlen_ro, rotary_dim / 2) tables of angles at 40 positions
+        angles = torch.arange(40, dtype=torch.float64)[:, None] / 100 ** (torch.arange(rotary_dim // 2) / rotary_dim)
+        kwargs["rotary_cos"], kwargs["rotary_sin"] = angles.cos().to(rotary_dtype), angles.sin().to(rotary_dtype)
     if alibi is not None:
         kwargs["alibi_slopes"] = torch.rand(*((8,) if alibi == "per_head" else (3, 8)), generator=g) * 0.3
     if kwargs.get("cache_seqlens") == "tensor":
@@ -479,11 +493,11 @@ def test_a_common_step_takes_the_cxx_path_and_gives_the_python_path_s_bits(name,
         q, k_cache, v_cache, k_new, v_new, kwargs = step_arguments(layout, spec, dtype)
         if cxx:
             step = attention_ext._ops.KVCACHE_STEP(
-                q, k_cache.clone(), v_cache.clone(), k_new, v_new, kwargs.get("cache_seqlens"),
-                kwargs.get("cache_batch_idx"), kwargs.get("cache_leftpad"), kwargs.get("block_table"),
-                kwargs.get("softmax_scale"), kwargs.get("causal", False), kwargs.get("window_size", (-1, -1)),
-                kwargs.get("softcap", 0.0), kwargs.get("alibi_slopes"), 0, True,
-                kwargs.get("return_softmax_lse", False))
+                q, k_cache.clone(), v_cache.clone(), k_new, v_new, kwargs.get("rotary_cos"), kwargs.get("rotary_sin"),
+                kwargs.get("cache_seqlens"), kwargs.get("cache_batch_idx"), kwargs.get("cache_leftpad"),
+                kwargs.get("block_table"), kwargs.get("softmax_scale"), kwargs.get("causal", False),
+                kwargs.get("window_size", (-1, -1)), kwargs.get("softcap", 0.0), kwargs.get("rotary_interleaved", True),
+                kwargs.get("alibi_slopes"), 0, kwargs.get("return_softmax_lse", False))
             assert step is not None, "the C++ step declined a common call"
         else:
             monkeypatch.setattr(attention_ext._ops, "KVCACHE_STEP", None)
@@ -522,7 +536,18 @@ STEP_DECLINES = {  # what the C++ step leaves to the Python path (which computes
     "an inference-tensor cache outside inference mode": dict(inference_cache=True),
     "an empty batch": dict(empty=True),
     "a bad block id": dict(paged=True, bad_block=True),
+    "rotary_cos alone": dict(rotary_cos=torch.ones(40, 8)),
+    "rotary tables without new keys": dict(rotary_cos=torch.ones(40, 8), rotary_sin=torch.zeros(40, 8), no_new=True),
+    "rotary tables that differ in shape": dict(rotary_cos=torch.ones(40, 8), rotary_sin=torch.zeros(40, 4)),
+    "a rotary dim past the head dim": dict(rotary_cos=torch.ones(40, 9), rotary_sin=torch.zeros(40, 9)),
+    "int rotary tables": dict(rotary_cos=torch.ones(40, 8, dtype=torch.int32),
+                              rotary_sin=torch.zeros(40, 8, dtype=torch.int32)),
+    "rotary tables short of the positions": dict(rotary_cos=torch.ones(8, 8), rotary_sin=torch.zeros(8, 8)),
+    "rotary tables of one row": dict(rotary_cos=torch.ones(8), rotary_sin=torch.zeros(8)),
 }
+if hasattr(torch, "float8_e4m3fn"):  # (a float dtype the rotary op does not take: the Python path's torch ops)
+    STEP_DECLINES["float8 rotary tables"] = dict(rotary_cos=torch.ones(40, 8).to(torch.float8_e4m3fn),
+                                                 rotary_sin=torch.zeros(40, 8).to(torch.float8_e4m3fn))
 
 
 @pytest.mark.skipif(attention_ext._ops.KVCACHE_STEP is None, reason="the C++ decode step is in the prebuilt "
@@ -548,6 +573,8 @@ def test_the_cxx_step_declines_what_it_does_not_take_and_writes_nothing(name):
             k_cache, v_cache = k_cache.clone(), v_cache.clone()
     if bad.get("empty"):
         q, k_new, v_new, seqlens = q[:0], k_new[:0], v_new[:0], seqlens[:0]
+    if bad.get("no_new"):
+        k_new = v_new = None
     table = kwargs.get("block_table")
     if bad.get("bad_block"):
         table[2, 3] = 99  # the block entry 2's new key goes to
@@ -555,9 +582,9 @@ def test_the_cxx_step_declines_what_it_does_not_take_and_writes_nothing(name):
                  for key in ("cache_batch_idx", "cache_leftpad")}
     before = k_cache.clone(), v_cache.clone()
     step = attention_ext._ops.KVCACHE_STEP(
-        q, k_cache, v_cache, k_new, v_new, seqlens, per_entry["cache_batch_idx"], per_entry["cache_leftpad"],
-        table, bad.get("softmax_scale"), False, bad.get("window_size", (-1, -1)), bad.get("softcap", 0.0),
-        bad.get("alibi_slopes"), 0, True, False)
+        q, k_cache, v_cache, k_new, v_new, bad.get("rotary_cos"), bad.get("rotary_sin"), seqlens,
+        per_entry["cache_batch_idx"], per_entry["cache_leftpad"], table, bad.get("softmax_scale"), False,
+        bad.get("window_size", (-1, -1)), bad.get("softcap", 0.0), True, bad.get("alibi_slopes"), 0, False)
     assert step is None
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
@@ -568,17 +595,19 @@ def test_the_cxx_step_declines_positions_past_int64_and_dispatch_modes():
     """Positions the Python path takes as unbounded ints: a paged cache's capacity (blocks ×
     block size) or an entry's end past int64, which the C++ step must not let wrap; and a torch
     dispatch mode, which sees the Python path's ops."""
-    step = attention_ext._ops.KVCACHE_STEP
-    rest = (None, None, (-1, -1), 0.0, None, 0, True, False)  # scale, causal, window, softcap, alibi, ...
+    def step(q, k_cache, v_cache, k, v, seqlens, block_table):
+        return attention_ext._ops.KVCACHE_STEP(q, k_cache, v_cache, k, v, None, None, seqlens, None, None,
+                                               block_table, None, False, (-1, -1), 0.0, True, None, 0, False)
+
     q = torch.randn(1, 1, 1, 1)
     huge = torch.randn(1, 1, 1, 1).expand(1, 2 ** 61 + 1, 1, 1)  # 2**61 + 1 slots a block, one memory row
     eight_blocks = torch.zeros(1, 1, dtype=torch.int32).expand(1, 8)  # capacity 2**64 + 8: wraps to 8
-    assert step(q, huge, huge, None, None, None, None, None, eight_blocks, *rest) is None
+    assert step(q, huge, huge, None, None, None, eight_blocks) is None
     widest = torch.randn(1, 1, 1, 1).expand(1, 2 ** 63 - 1, 1, 1)
-    assert step(q, widest, widest, None, None, 5, None, None, torch.tensor([[99]], dtype=torch.int32), *rest) is None
+    assert step(q, widest, widest, None, None, 5, torch.tensor([[99]], dtype=torch.int32)) is None
     k_cache, v_cache = torch.zeros(1, 8, 1, 1), torch.zeros(1, 8, 1, 1)
     new = torch.ones(1, 1, 1, 1)
-    assert step(q, k_cache, v_cache, new, new, 2 ** 63 - 1, None, None, None, *rest) is None
+    assert step(q, k_cache, v_cache, new, new, 2 ** 63 - 1, None) is None
     assert not k_cache.any() and not v_cache.any()
 
     class Passthrough(torch.utils._python_dispatch.TorchDispatchMode):
@@ -586,7 +615,7 @@ def test_the_cxx_step_declines_positions_past_int64_and_dispatch_modes():
             return func(*args, **(kwargs or {}))
 
     with Passthrough():
-        assert step(q, k_cache, v_cache, new, new, 2, None, None, None, *rest) is None
+        assert step(q, k_cache, v_cache, new, new, 2, None) is None
         out = flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=2)  # the Python path
     assert torch.equal(k_cache[0, 2], new[0, 0]) and torch.equal(v_cache[0, 2], new[0, 0])
     weight = q.double().exp() / (2 + q.double().exp())  # keys 0, 0, 1 (scale 1 at d = 1); values 0, 0, 1
