@@ -25,7 +25,7 @@ def below_autograd():
 # op through the dispatcher without torch.ops' per-argument conversion (~3 µs a call). A JIT build
 # has none; an entry answers None where the call must go through torch.ops.
 _DIRECT_ENTRIES = {}
-# The prebuilt extension's whole decode step for flash_attn_with_kvcache's CPU calls without rotary
+# The prebuilt extension's whole decode step for flash_attn_with_kvcache's eager CPU calls
 # (csrc/kv_cache_step.h): its result, or None where the Python path must run; None in a JIT build.
 KVCACHE_STEP = None
 if _LOADED_FROM.startswith("prebuilt:"):
