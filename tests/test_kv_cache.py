@@ -905,16 +905,39 @@ def test_cuda_kernels(dtype, block_size):
     check(result, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_row_blocks_split_the_keys_as_the_contiguous_cache_does(cpu_variant, dtype):
+    """A single decode row against 2000 keys is split into key ranges (merged by their lse); how
+    many depends on the K/V layout: heads walked together or not. A paged cache of one-row blocks
+    (its rows' dim of size 1) is laid out like the contiguous cache, so it gets the same ranges and
+    the same bits, its blocks in any order."""
+    g = torch.Generator().manual_seed(3)
+    keys, kv_heads = 2000, 2
+    q = torch.randn(1, 1, 4 * kv_heads, 64, generator=g).to(dtype)
+    k, v = (torch.randn(1, keys, kv_heads, 64, generator=g).to(dtype) for _ in range(2))
+    order = torch.randperm(keys, generator=g)
+    k_blocks, v_blocks = torch.empty(keys, 1, kv_heads, 64, dtype=dtype), torch.empty(keys, 1, kv_heads, 64, dtype=dtype)
+    k_blocks[order], v_blocks[order] = k[0, :, None], v[0, :, None]
+    table = order.to(torch.int32)[None]
+    lengths = torch.tensor([keys], dtype=torch.int32)
+    paged = flash_attn_with_kvcache(q, k_blocks, v_blocks, cache_seqlens=lengths, block_table=table,
+                                    return_softmax_lse=True)
+    contiguous = flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, return_softmax_lse=True)
+    assert torch.equal(paged[0], contiguous[0]) and torch.equal(paged[1], contiguous[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [5, 7])
+@pytest.mark.parametrize("block_size", [1, 5, 7])
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (8, 2), (4, 1), (16, 2)], ids=["mha", "gqa4", "one_kv_head", "gqa8"])
 def test_a_paged_cache_gives_the_contiguous_cache_s_bits(cpu_variant, dtype, block_size, heads, kv_heads):
-    """With one K/V head, blocks of 5 or 7 rows cut every key tile into short runs, whose logits
+    """With one K/V head, blocks of 1, 5 or 7 rows cut every key tile into short runs, whose logits
     the kernel takes key by key; a contiguous cache's go through the path that reduces a vector's
     worth of keys' sums at once (hsum_lanes). Both add in the same order, so the outputs are the
     same bits. With several K/V heads both are read in storage order, the paged one run by run
-    while copying each chunk of keys. (gqa8, bf16, amx variant: 8 rows per K/V head, products on
-    AMX tiles, which group keys by their place in the key tile, whatever the runs.)"""
+    while copying each chunk of keys, in the same key ranges (one-row blocks too, whose rows'
+    stride is the blocks'). (bf16 with two or more rows per K/V head in the avx512bf16 variant, and
+    gqa8 in the amx variant: products on pairs of bf16, which group keys by their place in the key
+    tile, whatever the runs.)"""
     g = torch.Generator().manual_seed(block_size + heads)
     cache = Cache(2, 300, kv_heads, 64, dtype, block_size=block_size, generator=g)
     q = torch.randn(2, 1, heads, 64, generator=g).to(dtype)

@@ -60,8 +60,14 @@ inline DecodeGrouping decode_grouping(const AttentionParams& p) {
   auto below_rows = [](int64_t stride, int64_t row_stride) {
     return stride != 0 && (stride < 0 ? -stride : stride) < (row_stride < 0 ? -row_stride : row_stride);
   };
-  if (dim >= 0 && p.batch_size[dim] > 1 && below_rows(p.k.batch_stride[dim], p.k.row_stride) &&
-      below_rows(p.v.batch_stride[dim], p.v.row_stride))
+  // (A paged cache of one-row blocks: one key to the next is the blocks' stride; the rows' is 0,
+  // a size-1 dim's. Its heads then walk together as a contiguous cache's do, in the same key
+  // ranges, so the bits are the same.)
+  const bool one_row_blocks = p.key_blocks != nullptr && p.block_size == 1;
+  const int64_t k_rows = one_row_blocks ? p.k_block_stride : p.k.row_stride;
+  const int64_t v_rows = one_row_blocks ? p.v_block_stride : p.v.row_stride;
+  if (dim >= 0 && p.batch_size[dim] > 1 && below_rows(p.k.batch_stride[dim], k_rows) &&
+      below_rows(p.v.batch_stride[dim], v_rows))
     g.lockstep = largest_divisor_at_most(p.batch_size[dim], kDecodeItemHeads / g.shared);
   return g;
 }
