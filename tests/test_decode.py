@@ -245,6 +245,20 @@ def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant
         assert torch.equal(alone, grouped[:, h:h + 1]) and torch.equal(alone_lse, grouped_lse[:, h:h + 1]), h
 
 
+def group_parts_and_heads_alone(q, k, v, parts):
+    """The GQA call of q's 8 heads against one K/V head, and its heads one call each, after checking
+    that each part (size, first) of its heads called alone, and its first four heads as four query
+    rows of one head (the same logits), give those heads' bits and lse."""
+    eight, eight_lse = attention(q, k, v, enable_gqa=True, return_lse=True)
+    for size, first in parts:
+        part, part_lse = attention(q[:, first:first + size], k, v, enable_gqa=True, return_lse=True)
+        assert torch.equal(part, eight[:, first:first + size]), (size, first)
+        assert torch.equal(part_lse, eight_lse[:, first:first + size]), (size, first)
+    rows, rows_lse = attention(q[:, :4].transpose(1, 2), k, v, return_lse=True)
+    assert torch.equal(rows, eight[:, :4].transpose(1, 2)) and torch.equal(rows_lse, eight_lse[:, :4].transpose(1, 2))
+    return eight, torch.cat([attention(q[:, h:h + 1], k, v) for h in range(8)], 1)
+
+
 @pytest.mark.parametrize("m", [70, 203])  # whole vectors of keys, then single keys; one key range
 def test_decode_fp32_rows_four_at_a_time_give_each_row_one_order(cpu_variant, m):
     """fp32 on 16-lane vectors: a K/V head with four or more query rows (a GQA group, several
@@ -258,15 +272,7 @@ def test_decode_fp32_rows_four_at_a_time_give_each_row_one_order(cpu_variant, m)
     g = torch.Generator().manual_seed(m)
     q = torch.randn(1, 8, 1, 64, generator=g)
     k, v = (torch.randn(1, 1, m, 64, generator=g) for _ in range(2))
-    eight, eight_lse = attention(q, k, v, enable_gqa=True, return_lse=True)
-    for size, first in [(4, 0), (4, 4), (5, 3), (6, 2)]:
-        part, part_lse = attention(q[:, first:first + size], k, v, enable_gqa=True, return_lse=True)
-        assert torch.equal(part, eight[:, first:first + size]), (size, first)
-        assert torch.equal(part_lse, eight_lse[:, first:first + size]), (size, first)
-    # The same rows as four query rows of one head: the same logits, so the same bits.
-    rows, rows_lse = attention(q[:, :4].transpose(1, 2), k, v, return_lse=True)
-    assert torch.equal(rows, eight[:, :4].transpose(1, 2)) and torch.equal(rows_lse, eight_lse[:, :4].transpose(1, 2))
-    alone = torch.cat([attention(q[:, h:h + 1], k, v) for h in range(8)], 1)
+    eight, alone = group_parts_and_heads_alone(q, k, v, [(4, 0), (4, 4), (5, 3), (6, 2)])
     if four_rows_interleaved(torch.float32):
         assert not torch.equal(alone, eight), "the four-row order gave the one-row order's bits"
     else:
@@ -289,14 +295,7 @@ def test_decode_bf16_rows_on_dot_products_give_each_row_one_order(cpu_variant, m
     g = torch.Generator().manual_seed(m)
     q = torch.randn(1, 8, 1, 64, generator=g).bfloat16()
     k, v = (torch.randn(1, 1, m, 64, generator=g).bfloat16() for _ in range(2))
-    eight, eight_lse = attention(q, k, v, enable_gqa=True, return_lse=True)
-    for size, first in [(2, 0), (2, 5), (3, 1), (4, 4), (5, 3), (7, 0)]:
-        part, part_lse = attention(q[:, first:first + size], k, v, enable_gqa=True, return_lse=True)
-        assert torch.equal(part, eight[:, first:first + size]), (size, first)
-        assert torch.equal(part_lse, eight_lse[:, first:first + size]), (size, first)
-    rows, rows_lse = attention(q[:, :4].transpose(1, 2), k, v, return_lse=True)
-    assert torch.equal(rows, eight[:, :4].transpose(1, 2)) and torch.equal(rows_lse, eight_lse[:, :4].transpose(1, 2))
-    alone = torch.cat([attention(q[:, h:h + 1], k, v) for h in range(8)], 1)
+    eight, alone = group_parts_and_heads_alone(q, k, v, [(2, 0), (2, 5), (3, 1), (4, 4), (5, 3), (7, 0)])
     assert not torch.equal(alone, eight), "the dot products gave the vector code's bits"
     ref = attention_reference(q.double(), k.double(), v.double(), enable_gqa=True)[0]
     budget = low_precision_budget(((q, k, v), dict(enable_gqa=True)), torch.bfloat16, ref)
