@@ -145,10 +145,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
   // float dtypes take the Python path's torch ops) on the CPU, (seqlen_ro, rotary_dim / 2) with
   // rotary_dim <= d, every position they rotate within them (kv_cache.py's _check_rotary_reach).
   // FlashAttention rotates q row by row at its rows' positions only for a causal or windowed call
-  // (the window sides as given, after the capacity rule), else every row at the entry's start.
+  // (the window sides after the capacity rule), else every row at the entry's start.
   const bool rotary = a.rotary_cos.has_value() || a.rotary_sin.has_value();
-  const bool rotary_local =
-      a.causal || window_left >= 0 || (a.window_right >= capacity ? int64_t{-1} : a.window_right) >= 0;
+  const bool rotary_local = a.causal || window_left >= 0 || window_right >= 0;
   if (rotary) {
     if (!a.rotary_cos.has_value() || !a.rotary_sin.has_value() || !append) return std::nullopt;
     const at::Tensor &cos = *a.rotary_cos, &sin = *a.rotary_sin;

@@ -7,6 +7,7 @@
 #include "rotary.h"
 
 #include "kv_cache.h"
+#include "op_arguments.h"
 #include "rounding_barrier.h"
 
 #include <ATen/Dispatch.h>
@@ -74,22 +75,18 @@ void rotate(const at::Tensor& x, at::Tensor& out, const std::vector<A>& cos_rows
   });
 }
 
-bool is_float_dtype(at::ScalarType t) {
-  return t == at::kDouble || t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
-
 }  // namespace
 
 at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                             const at::Tensor& start, bool per_row, bool interleaved) {
   TORCH_CHECK(x.dim() == 4, "attention_ext: rotary rotates (batch, rows, heads, head_dim) tensors, got shape ",
               x.sizes());
-  TORCH_CHECK(is_float_dtype(x.scalar_type()),
+  TORCH_CHECK(supported_dtype(x.scalar_type()),
               "attention_ext: rotary rotates float64/float32/float16/bfloat16 tensors, got ", x.scalar_type());
   TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes(), "attention_ext: rotary_cos / rotary_sin must both be ",
               "(seqlen_ro, rotary_dim / 2), got ", cos.sizes(), " and ", sin.sizes());
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cos, "rotary_cos"}, {sin, "rotary_sin"}})
-    TORCH_CHECK(is_float_dtype(t.scalar_type()),
+    TORCH_CHECK(supported_dtype(t.scalar_type()),
                 "attention_ext: ", name, " must be float64/float32/float16/bfloat16, got ", t.scalar_type());
   const int64_t batch = x.size(0), rows = x.size(1), half = cos.size(1), seqlen_ro = cos.size(0);
   TORCH_CHECK(2 * half <= x.size(3), "attention_ext: rotary_dim ", 2 * half, " (twice rotary_cos's ", half,
