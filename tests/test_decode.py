@@ -246,17 +246,17 @@ def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant
 
 
 def group_parts_and_heads_alone(q, k, v, parts):
-    """The GQA call of q's 8 heads against one K/V head, and its heads one call each, after checking
-    that each part (size, first) of its heads called alone, and its first four heads as four query
-    rows of one head (the same logits), give those heads' bits and lse."""
-    eight, eight_lse = attention(q, k, v, enable_gqa=True, return_lse=True)
+    """The GQA call of all of q's heads against one K/V head, and its heads one call each, after
+    checking that each part (size, first) of its heads called alone, and its first four heads as
+    four query rows of one head (the same logits), give those heads' bits and lse."""
+    whole, whole_lse = attention(q, k, v, enable_gqa=True, return_lse=True)
     for size, first in parts:
         part, part_lse = attention(q[:, first:first + size], k, v, enable_gqa=True, return_lse=True)
-        assert torch.equal(part, eight[:, first:first + size]), (size, first)
-        assert torch.equal(part_lse, eight_lse[:, first:first + size]), (size, first)
+        assert torch.equal(part, whole[:, first:first + size]), (size, first)
+        assert torch.equal(part_lse, whole_lse[:, first:first + size]), (size, first)
     rows, rows_lse = attention(q[:, :4].transpose(1, 2), k, v, return_lse=True)
-    assert torch.equal(rows, eight[:, :4].transpose(1, 2)) and torch.equal(rows_lse, eight_lse[:, :4].transpose(1, 2))
-    return eight, torch.cat([attention(q[:, h:h + 1], k, v) for h in range(8)], 1)
+    assert torch.equal(rows, whole[:, :4].transpose(1, 2)) and torch.equal(rows_lse, whole_lse[:, :4].transpose(1, 2))
+    return whole, torch.cat([attention(q[:, h:h + 1], k, v) for h in range(q.shape[1])], 1)
 
 
 @pytest.mark.parametrize("m", [70, 203])  # whole vectors of keys, then single keys; one key range
@@ -288,18 +288,20 @@ def test_decode_bf16_rows_on_dot_products_give_each_row_one_order(cpu_variant, m
     AVX512-BF16 dot products (csrc/cpu/decode_bf16_dot.inc). Each logit is four partial sums of
     pairs over d, added pairwise, whatever the other rows; P is rounded to bf16 and each O element
     summed over pairs of consecutive keys in order. A row's bits are then the same in a group of
-    2 to 8 rows, wherever it sits in the group, and as rows of one head; one row alone takes the
-    vector code. Both within the bf16 budget of the float64 reference."""
+    2 to 16 rows, wherever it sits in the group, and as rows of one head; one row alone takes the
+    vector code. (Up to four groups of four rows share each key's loads: 9 rows make three groups,
+    13 four with a short last one.) Both within the bf16 budget of the float64 reference."""
     if not bf16_decode_on_pairs(cpu_variant, 2, 64, 64):
         pytest.skip("bf16 decode on dot products: the avx512bf16 variant only")
     g = torch.Generator().manual_seed(m)
-    q = torch.randn(1, 8, 1, 64, generator=g).bfloat16()
+    q = torch.randn(1, 16, 1, 64, generator=g).bfloat16()
     k, v = (torch.randn(1, 1, m, 64, generator=g).bfloat16() for _ in range(2))
-    eight, alone = group_parts_and_heads_alone(q, k, v, [(2, 0), (2, 5), (3, 1), (4, 4), (5, 3), (7, 0)])
-    assert not torch.equal(alone, eight), "the dot products gave the vector code's bits"
+    parts = [(2, 0), (2, 5), (3, 1), (4, 4), (5, 3), (7, 0), (8, 8), (9, 2), (12, 4), (13, 3)]
+    whole, alone = group_parts_and_heads_alone(q, k, v, parts)
+    assert not torch.equal(alone, whole), "the dot products gave the vector code's bits"
     ref = attention_reference(q.double(), k.double(), v.double(), enable_gqa=True)[0]
     budget = low_precision_budget(((q, k, v), dict(enable_gqa=True)), torch.bfloat16, ref)
-    assert_close_to_reference(eight, ref, torch.bfloat16, budget=budget)
+    assert_close_to_reference(whole, ref, torch.bfloat16, budget=budget)
     assert_close_to_reference(alone, ref, torch.bfloat16, budget=budget)
 
 
