@@ -245,17 +245,19 @@ def test_decode_a_head_alone_or_in_its_gqa_group_is_bitwise_the_same(cpu_variant
         assert torch.equal(alone, grouped[:, h:h + 1]) and torch.equal(alone_lse, grouped_lse[:, h:h + 1]), h
 
 
-def group_parts_and_heads_alone(q, k, v, parts):
+def group_parts_and_heads_alone(q, k, v, parts, rows_of_one_head=4):
     """The GQA call of all of q's heads against one K/V head, and its heads one call each, after
-    checking that each part (size, first) of its heads called alone, and its first four heads as
-    four query rows of one head (the same logits), give those heads' bits and lse."""
+    checking that each part (size, first) of its heads called alone, and its first
+    rows_of_one_head heads as that many query rows of one head (the same logits), give those
+    heads' bits and lse."""
     whole, whole_lse = attention(q, k, v, enable_gqa=True, return_lse=True)
     for size, first in parts:
         part, part_lse = attention(q[:, first:first + size], k, v, enable_gqa=True, return_lse=True)
         assert torch.equal(part, whole[:, first:first + size]), (size, first)
         assert torch.equal(part_lse, whole_lse[:, first:first + size]), (size, first)
-    rows, rows_lse = attention(q[:, :4].transpose(1, 2), k, v, return_lse=True)
-    assert torch.equal(rows, whole[:, :4].transpose(1, 2)) and torch.equal(rows_lse, whole_lse[:, :4].transpose(1, 2))
+    r = rows_of_one_head
+    rows, rows_lse = attention(q[:, :r].transpose(1, 2), k, v, return_lse=True)
+    assert torch.equal(rows, whole[:, :r].transpose(1, 2)) and torch.equal(rows_lse, whole_lse[:, :r].transpose(1, 2))
     return whole, torch.cat([attention(q[:, h:h + 1], k, v) for h in range(q.shape[1])], 1)
 
 
@@ -288,17 +290,20 @@ def test_decode_bf16_rows_on_dot_products_give_each_row_one_order(cpu_variant, m
     AVX512-BF16 dot products (csrc/cpu/decode_bf16_dot.inc). Each logit is four partial sums of
     pairs over d, added pairwise, whatever the other rows; P is rounded to bf16 and each O element
     summed over pairs of consecutive keys in order. A row's bits are then the same in a group of
-    2 to 16 rows, wherever it sits in the group, and as rows of one head; one row alone takes the
-    vector code. (Up to four groups of four rows share each key's loads: 9 rows make three groups,
-    13 four with a short last one.) Both within the bf16 budget of the float64 reference."""
+    2 to 16 rows other than four, wherever it sits in the group, and as rows of one head; one row
+    alone, and a group of exactly four, take the vector code. (Up to four groups of four rows share
+    each key's loads: 9 rows make three groups, 13 four with a short last one.) Both within the
+    bf16 budget of the float64 reference."""
     if not bf16_decode_on_pairs(cpu_variant, 2, 64, 64):
         pytest.skip("bf16 decode on dot products: the avx512bf16 variant only")
     g = torch.Generator().manual_seed(m)
     q = torch.randn(1, 16, 1, 64, generator=g).bfloat16()
     k, v = (torch.randn(1, 1, m, 64, generator=g).bfloat16() for _ in range(2))
-    parts = [(2, 0), (2, 5), (3, 1), (4, 4), (5, 3), (7, 0), (8, 8), (9, 2), (12, 4), (13, 3)]
-    whole, alone = group_parts_and_heads_alone(q, k, v, parts)
+    parts = [(2, 0), (2, 5), (3, 1), (5, 3), (7, 0), (8, 8), (9, 2), (12, 4), (13, 3)]
+    whole, alone = group_parts_and_heads_alone(q, k, v, parts, rows_of_one_head=8)
     assert not torch.equal(alone, whole), "the dot products gave the vector code's bits"
+    four = attention(q[:, 4:8], k, v, enable_gqa=True)
+    assert not torch.equal(four, whole[:, 4:8]), "a group of four took the dot products"
     ref = attention_reference(q.double(), k.double(), v.double(), enable_gqa=True)[0]
     budget = low_precision_budget(((q, k, v), dict(enable_gqa=True)), torch.bfloat16, ref)
     assert_close_to_reference(whole, ref, torch.bfloat16, budget=budget)
