@@ -420,3 +420,23 @@ def test_decode_reads_every_bf16_value_exactly(cpu_variant, rows, tail):
         got = out[0, 0, r]
         assert torch.equal(torch.isnan(got), nan), cpu_variant
         assert torch.equal(got[~nan].float(), want[~nan].float()), cpu_variant  # (-0 == +0)
+
+
+def test_the_decode_prefetches_are_in_the_compiled_ops():
+    """The decode asks for K/V lines ahead of its products (into L1 per head in storage order, into
+    L2 rows ahead where an item walks one K/V head; csrc/cpu/forward_decode.inc). No result shows
+    a prefetch, and GCC 12 once deleted every one of them (loops of bare __builtin_prefetch calls)
+    without a warning: the disassembly of the built ops must hold both kinds."""
+    import platform
+    import shutil
+    import subprocess
+    from attention_ext import _ops
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump") is None:
+        pytest.skip("needs an x86-64 build and objdump")
+    if not _ops._LOADED_FROM.startswith("prebuilt:"):
+        pytest.skip("a JIT build: its library is not the prebuilt one")
+    path = _ops._LOADED_FROM.split(":", 1)[1]
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True,
+                             timeout=300).stdout
+    assert "prefetcht0" in listing, "the L1 prefetches of the decode were compiled away"
+    assert "prefetcht2" in listing, "the L2 prefetches of the decode were compiled away"
