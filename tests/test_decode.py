@@ -286,7 +286,7 @@ def test_decode_fp32_rows_four_at_a_time_give_each_row_one_order(cpu_variant, m)
 
 @pytest.mark.parametrize("m", [70, 203])  # whole chunks of keys, then a short one ending in single keys
 def test_decode_bf16_rows_on_dot_products_give_each_row_one_order(cpu_variant, m):
-    """bf16 in the avx512bf16 variant, two or more query rows per K/V head: the products run as
+    """bf16 in the avx512bf16 variant, two or more query rows per K/V head other than exactly four: the products run as
     AVX512-BF16 dot products (csrc/cpu/decode_bf16_dot.inc). Each logit is four partial sums of
     pairs over d, added pairwise, whatever the other rows; P is rounded to bf16 and each O element
     summed over pairs of consecutive keys in order. A row's bits are then the same in a group of
@@ -310,7 +310,7 @@ def test_decode_bf16_rows_on_dot_products_give_each_row_one_order(cpu_variant, m
     assert_close_to_reference(alone, ref, torch.bfloat16, budget=budget)
 
 
-STORAGE_ORDER = [(2, 2, 1), (8, 2, 1), (4, 2, 2), (4, 4, 4), (2, 2, 3), (8, 2, 2), (6, 2, 3)]
+STORAGE_ORDER = [(2, 2, 1), (8, 2, 1), (4, 2, 2), (4, 4, 4), (2, 2, 3), (8, 2, 2), (6, 2, 3), (16, 2, 2)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
@@ -319,7 +319,8 @@ def test_decode_interleaved_heads_give_the_same_bits_as_heads_stored_apart(cpu_v
     """K/V heads stored interleaved ((batch, tokens, heads, d), a KV cache's layout) are read a
     key's rows of every head at a time and copied head by head before the arithmetic; every sum
     is the one of heads stored apart, so the bits are too when the keys are split into the same
-    ranges. (64 batch entries: one key range per head either way; 203 keys: three whole tiles and
+    ranges (16q2kv_n2: 16 rows per K/V head, four groups of four on bf16 dot products sharing
+    each key's loads). (64 batch entries: one key range per head either way; 203 keys: three whole tiles and
     a short one, whose last chunk of 11 keys ends with keys taken one by one. bf16/fp16 rows are
     copied as they are, or converted: K for three rows, V for more than four, both for nine.)"""
     g = torch.Generator().manual_seed(hq * 10 + n)
@@ -332,8 +333,9 @@ def test_decode_interleaved_heads_give_the_same_bits_as_heads_stored_apart(cpu_v
 
 # bf16 calls with 8 to 32 rows per K/V head (heads x n) take the products on AMX tiles in the amx
 # variant (csrc/cpu/decode_bf16_amx.inc): Sᵀ = K Qᵀ per chunk of 16 keys, O += P V per 32; from 2
-# rows on AVX512-BF16 dot products in the avx512bf16 variant (decode_bf16_dot.inc), four rows per
-# vector. Rows: 2, 3, 5 (a short last group of four), 8, 16 (one block of tile rows), 20 and 32
+# rows, except exactly four, on AVX512-BF16 dot products in the avx512bf16 variant
+# (decode_bf16_dot.inc), four rows per vector.
+# Rows: 2, 3, 5 (a short last group of four), 8, 16 (one block of tile rows), 20 and 32
 # (two); keys: whole chunks, a short last chunk (203, 70) and several key ranges merged (3000);
 # dv != dk, dk = 8 (two steps of four pairs).
 TILE_DECODE = [(8, 1, 1, 64, 64, 203), (16, 4, 4, 64, 64, 70), (20, 1, 1, 64, 64, 100), (32, 1, 1, 128, 128, 3000),
@@ -378,7 +380,7 @@ def test_decode_bf16_group_on_tiles_draws_dropout_by_position(cpu_variant):
 
 def test_decode_bf16_on_tiles_counts_subnormal_values_as_zero(cpu_variant):
     """One key, so each output is 1 x v: exact on vector units; the products on pairs (amx
-    variant, 8 or more rows; avx512bf16, 2 or more) treat subnormal bf16 inputs as zero, as every
+    variant, 8 or more rows; avx512bf16, 2 or more but not 4) treat subnormal bf16 inputs as zero, as every
     AMX/AVX512-BF16 product does."""
     bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
     values = bits.view(torch.bfloat16)
@@ -436,7 +438,9 @@ def test_the_decode_prefetches_are_in_the_compiled_ops():
     if not _ops._LOADED_FROM.startswith("prebuilt:"):
         pytest.skip("a JIT build: its library is not the prebuilt one")
     path = _ops._LOADED_FROM.split(":", 1)[1]
-    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True,
-                             timeout=300).stdout
+    result = subprocess.run(["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    listing = result.stdout
     assert "prefetcht0" in listing, "the L1 prefetches of the decode were compiled away"
     assert "prefetcht2" in listing, "the L2 prefetches of the decode were compiled away"
