@@ -58,6 +58,8 @@ AttentionParams make_params(const AttentionShape& shape, const at::Tensor& q, co
 TensorRef make_ref(const at::Tensor& t, const std::vector<int64_t>& batch);
 // View of a (batch_tail..., rows) tensor such as lse: rows use row_stride.
 TensorRef make_row_ref(const at::Tensor& t, const std::vector<int64_t>& batch);
+// The same for rows (batch..., n) stored contiguously at data (as make_row_ref of such a tensor).
+TensorRef contiguous_row_ref(void* data, const std::vector<int64_t>& batch, int64_t n);
 
 // Forward outputs: out (batch..., n, d_v) in the query's dtype, lse (batch..., n) in lse_dtype.
 std::pair<at::Tensor, at::Tensor> allocate_forward_outputs(const AttentionShape& shape, const at::Tensor& q);
@@ -88,7 +90,8 @@ struct BackwardCall {
   bool no_rows = false;
   // Kept alive for the kernels: the gradient they read (a caller may hand in a temporary),
   // converted grad_lse, scratch rows, 2-D view of grad_mask.
-  at::Tensor grad_out, grad_lse_acc, delta, shift_hi, shift_lo, grad_mask_2d;
+  // (row_stats: delta, shift_hi and shift_lo, each lse's shape, one after the other.)
+  at::Tensor grad_out, grad_lse_acc, row_stats, grad_mask_2d;
 };
 
 BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,

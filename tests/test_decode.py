@@ -216,7 +216,7 @@ def test_decode_gqa_low_precision_and_thread_count(n):
 
 def four_rows_interleaved(dtype):
     """Whether the active variant's fp32 decode takes a K/V head's rows four at a time in an order
-    of its own (interleaved; csrc/cpu/forward_decode.inc's kInterleavedRows): on 64-byte vectors,
+    of its own (interleaved; csrc/cpu/decode_products.inc's kInterleavedRows): on 64-byte vectors,
     16 fp32 lanes, as build_info() reports the variant's width."""
     return attention_ext.build_info()["cpu_vector_bytes"] == "64" and dtype == torch.float32
 

@@ -6,8 +6,12 @@ The CPU ops pick among several kernels (csrc/cpu/kernel_passes.cpp):
   * forward, decode: at most kDecodeRows = 8 query rows, K/V rows read in place;
   * forward, decode with split keys: when there are few (batch, head) pairs and m >= 1024, the
     keys are cut into ranges whose partial results are merged by their log-sum-exp;
-  * backward, fused (one pass per key owner) or split (a dK/dV pass and a dQ pass).
-ATTENTION_EXT_CPU_FORWARD=tiled and ATTENTION_EXT_CPU_BACKWARD=fused|split force a path; the
+  * backward, fused (one pass per key owner) or split (a dK/dV pass and a dQ pass): the tiled
+    backward;
+  * backward, decode: at most kDecodeRows query rows (the query not broadcast, no mask gradient),
+    S and dP as row dot products over K/V rows read in place, the keys of few (batch, head) pairs
+    in ranges whose partial dQ are summed in range order.
+ATTENTION_EXT_CPU_FORWARD=tiled and ATTENTION_EXT_CPU_BACKWARD=fused|split|decode force a path; the
 split-key decode is chosen by the shape alone. Each path is checked here with float64
 torch.autograd.gradcheck (and gradgradcheck, which differentiates the first-order backward
 kernels numerically) on 65 to 130 rows / keys, so a second or third tile is always partial, with
@@ -236,6 +240,40 @@ def test_split_key_decode_gradcheck_with_mask_and_dropout():
 
 
 # ----------------------------------------------------------------------------------------------
+# Decode backward (n <= 8, no mask gradient), one key range and split keys (partial dQ summed).
+# (The checks above with a schedule forced run the tiled backward on decode-sized calls.)
+
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_decode_backward_gradcheck(force, causal):
+    force(backward="decode")
+    assert gradcheck(with_lse(slice(0, 3), causal=causal), qkv(3, 130))
+
+
+def test_decode_backward_gradcheck_with_every_modifier_and_gqa(force):
+    # Two query heads per K/V head (dK and dV sum the group), a bool mask, a sliding window, the
+    # softcap, ALiBi, sinks (with their gradient), dropout: each changes how P is rebuilt.
+    force(backward="decode")
+    q, k, v = qkv(3, 130, q_batch=(1, 4), kv_batch=(1, 2))
+    mask = torch.rand(3, 130, generator=torch.Generator().manual_seed(3)) < 0.8
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    sinks = rand(4, requires_grad=True)
+    fn = reseeded(lambda q, k, v, sinks: attention(q, k, v, attn_mask=mask, window=(100, 2), softcap=3.0,
+                                                   alibi_slopes=slopes, sinks=sinks, dropout_p=0.2, enable_gqa=True))
+    assert gradcheck(fn, (q, k, v, sinks))
+
+
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_decode_backward_split_keys_gradcheck(force, causal):
+    # top_left: the second key range sees no query row (its dK and dV are zeros).
+    force(backward="decode")
+    q, k, v = qkv(3, SPLIT_KEYS)
+    fn = with_lse(slice(0, 3), causal=causal)
+    k_fixed, v_fixed = k.detach(), v.detach()
+    assert gradcheck(lambda q: fn(q, k_fixed, v_fixed), (q,))
+    assert gradcheck(fn, (q, k, v), fast_mode=True)
+
+
+# ----------------------------------------------------------------------------------------------
 # Second order: the double backward is a torch composition, checked against finite differences
 # of the fused first-order backward on each path.
 
@@ -278,6 +316,17 @@ def test_gradcheck_fast_on_every_variant(force, cpu_variant, schedule, forward, 
         assert gradcheck(fn, (q, k, v, mask), fast_mode=True), (cpu_variant, causal)
 
 
+@pytest.mark.parametrize("n,m", [(3, 130), (3, SPLIT_KEYS)], ids=["decode", "decode-split-keys"])
+def test_decode_backward_gradcheck_fast_on_every_variant(force, cpu_variant, n, m):
+    force(backward="decode")
+    q, k, v = qkv(n, m, q_batch=(1, 2), kv_batch=(1, 1), dk=8, dv=5)
+    mask = torch.rand(n, m, generator=torch.Generator().manual_seed(2)) < 0.8
+    for causal in (None, "top_left", "bottom_right"):
+        fn = reseeded(lambda q, k, v: attention(q, k, v, attn_mask=mask, causal=causal, dropout_p=0.2,
+                                                enable_gqa=True))
+        assert gradcheck(fn, (q, k, v), fast_mode=True), (cpu_variant, causal)
+
+
 # ----------------------------------------------------------------------------------------------
 # The forced path is the one that ran. Without these, a switch the binding stopped reading
 # would leave the checks above testing the default path twice.
@@ -293,6 +342,24 @@ def test_forced_tiled_forward_runs_instead_of_decode(force):
     for a, b in zip(decode, tiled):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
         assert not torch.equal(a, b), "ATTENTION_EXT_CPU_FORWARD=tiled gave the decode forward's bits"
+
+
+def test_forced_tiled_backward_runs_instead_of_decode(force):
+    # The decode backward's dot products sum in other orders than the tiled backward's GEMMs.
+    q, k, v = (t.detach().float().requires_grad_()
+               for t in qkv(DECODE_ROWS, 130, q_batch=(2, 2), kv_batch=(2, 2), dk=64, dv=64))
+
+    def grads():
+        out = attention(q, k, v)
+        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    force()
+    decode = grads()
+    force(backward="fused")
+    tiled = grads()
+    for a, b in zip(decode, tiled):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    assert any(not torch.equal(a, b) for a, b in zip(decode, tiled)), \
+        "ATTENTION_EXT_CPU_BACKWARD=fused gave the decode backward's bits"
 
 
 def test_split_key_shape_takes_the_split_path():

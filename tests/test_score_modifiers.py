@@ -130,7 +130,7 @@ def test_gqa_splits_per_query_head_slopes_like_the_heads():
 
 @pytest.mark.cpu_kernels
 @pytest.mark.parametrize("forward", ["tiled", "decode"])
-@pytest.mark.parametrize("backward", ["fused", "split"])
+@pytest.mark.parametrize("backward", ["fused", "split", "decode"])
 @pytest.mark.parametrize("options", ["window", "everything"])
 def test_every_cpu_path_and_variant_applies_windows_modifiers_and_sinks(cpu_variant, forward, backward, options,
                                                                        monkeypatch):

@@ -104,7 +104,7 @@ constexpr int64_t kFusedDqScratchBytes = int64_t{32} << 20;
 bool use_fused_backward(const AttentionParams& p, const std::string& forced) {
   if (owners_of(p, p.grad_q) != p.batch_numel) return false;  // query broadcast: dQ rows shared
   if (p.n == 0 || p.m == 0) return false;
-  if (!forced.empty()) return forced == "fused";
+  if (forced == "fused" || forced == "split") return forced == "fused";
   const int64_t key_owners = owners_of(p, p.grad_k);
   const int64_t acc_bytes = p.dtype == ScalarType::kFloat64 ? 8 : 4;
   const int64_t dq_scratch = (p.batch_numel / key_owners) * ceil_div(p.n, kBlockM) * kBlockM *
@@ -184,12 +184,86 @@ void run_forward(std::vector<AttentionParams>& calls, const at::Tensor& like) {
            [](const AttentionParams& p) { return p.batch_numel; });
 }
 
+namespace {
+
+// Whether a call takes the decode backward (backward_decode.inc): a few query rows, as the decode
+// forward's, the query not broadcast (each dQ row belongs to one key owner), no mask gradient (its
+// pass reads the tiled passes' row statistics), and the query positions of one key owner (their
+// Q, dO and dQ rows, held per item) within kFusedDqScratchBytes. A function of the shape, never
+// of the thread count: the two backwards round differently.
+bool use_decode_backward(const AttentionParams& p, const std::string& forced, const BackwardOutputs& outputs) {
+  if (p.n == 0 || p.n > kDecodeRows || p.m == 0 || outputs.mask || p.key_blocks != nullptr) return false;
+  if (owners_of(p, p.grad_q) != p.batch_numel) return false;
+  if (!forced.empty() && forced != "decode") return false;
+  const int64_t acc_bytes = p.dtype == ScalarType::kFloat64 ? 8 : 4;
+  const int64_t positions = p.batch_numel / owners_of(p, p.grad_k);
+  const int64_t held = positions * ceil_div(p.n, 4) * 4 * (2 * ceil_div(imax(p.dk, 1), 16) + ceil_div(imax(p.dv, 1), 16)) *
+                       16 * acc_bytes;
+  return held <= kFusedDqScratchBytes;
+}
+
+// Key ranges of the decode backward: as the decode forward's (set_decode_splits), enough items to
+// keep a large pool busy, each at least kMinSplitKeys keys; over all keys [0, m), every range
+// writing dK and dV of its own (zeros outside the rows' visible keys). A function of the shape.
+void set_decode_backward_splits(AttentionParams& p) {
+  const int64_t owners = owners_of(p, p.grad_k);
+  int64_t splits = 1;
+  if (owners < kDecodeItems) splits = imax(1, imin(ceil_div(kDecodeItems, owners), p.m / kMinSplitKeys));
+  p.split_key_begin = 0;
+  p.split_keys = ceil_div(ceil_div(p.m, splits), kBlockN) * kBlockN;
+  p.kv_splits = ceil_div(p.m, p.split_keys);
+}
+
+// The decode backward of `calls`: row statistics, the gradients over key ranges, and the sum of
+// the ranges' partial dQ where a call has several.
+void run_decode_backward(const KernelTable& kernels, std::vector<AttentionParams>& calls) {
+  int64_t scratch = 0;
+  bool any_double = false;
+  for (AttentionParams& p : calls) {
+    set_decode_backward_splits(p);
+    if (p.kv_splits > 1) scratch += p.batch_numel * p.kv_splits * p.n * ceil_div(imax(p.dk, 1), 16) * 16;
+    any_double |= p.dtype == ScalarType::kFloat64;
+  }
+  at::Tensor partial_dq;
+  if (scratch > 0) {
+    // (one tensor for all calls: float or double elements per call, so double-sized slots)
+    partial_dq = at::empty({scratch}, at::TensorOptions().dtype(any_double ? at::kDouble : at::kFloat));
+    char* base = static_cast<char*>(partial_dq.data_ptr());
+    for (AttentionParams& p : calls) {
+      if (p.kv_splits == 1) continue;
+      p.split_out = base;
+      base += p.batch_numel * p.kv_splits * p.n * ceil_div(imax(p.dk, 1), 16) * 16 * partial_dq.element_size();
+    }
+  }
+  const Calls all = all_of(calls);
+  Calls split;
+  for (const AttentionParams* p : all)
+    if (p->kv_splits > 1) split.push_back(p);
+  run_pass(kernels.decode_backward_rows, all, [](const AttentionParams& p) { return owners_of(p, p.grad_k); });
+  run_pass(kernels.decode_backward, all,
+           [](const AttentionParams& p) { return owners_of(p, p.grad_k) * p.kv_splits; });
+  run_pass(kernels.decode_backward_combine, split, [](const AttentionParams& p) { return p.batch_numel; });
+}
+
+}  // namespace
+
+// ATTENTION_EXT_CPU_BACKWARD=fused|split|decode forces one (decode only applies where
+// use_decode_backward allows it; fused and split are the tiled backward's two schedules).
 void run_backward(const std::vector<AttentionParams>& calls, const BackwardOutputs& outputs) {
   const KernelTable& kernels = active_kernels();
-  const Calls all = all_of(calls);
+  const std::string forced = path_switch("ATTENTION_EXT_CPU_BACKWARD", {"fused", "split", "decode"});
+  std::vector<AttentionParams> decode_calls;
+  Calls all;
+  for (const AttentionParams& p : calls) {
+    if (use_decode_backward(p, forced, outputs))
+      decode_calls.push_back(p);
+    else
+      all.push_back(&p);
+  }
+  if (!decode_calls.empty()) run_decode_backward(kernels, decode_calls);
+  if (all.empty()) return;
   run_pass(kernels.row_shift, all, query_tiles);
   run_pass(kernels.backward_delta, all, query_tiles);
-  const std::string forced = path_switch("ATTENTION_EXT_CPU_BACKWARD", {"fused", "split"});
   Calls fused, split;
   for (const AttentionParams* p : all) (use_fused_backward(*p, forced) ? fused : split).push_back(p);
   run_pass(kernels.backward_fused, fused, [](const AttentionParams& p) { return owners_of(p, p.grad_k); });

@@ -106,6 +106,14 @@ struct KernelTable {
   ItemFn backward_fused;
   // items: (owners of the mask) * ceil(mask rows / kBlockM). Writes grad_mask.
   ItemFn backward_mask;
+  // The decode backward, n <= kDecodeRows, query not broadcast (backward_decode.inc).
+  // items: owners of k. Writes delta and shift_hi/shift_lo of every query row the owner serves.
+  ItemFn decode_backward_rows;
+  // items: (owners of k) * kv_splits. Writes grad_k, grad_v of its key range, and grad_q (one range)
+  // or its partial dQ into split_out.
+  ItemFn decode_backward;
+  // items: batch_numel. Sums the kv_splits partial dQ of each batch index, in range order, into grad_q.
+  ItemFn decode_backward_combine;
   // items: batch_numel * ceil(n / kBlockM). Writes probs from lse.
   ItemFn probabilities;
   // Runs `iterations` rounds of independent vector FMAs on the calling thread; returns the flops
