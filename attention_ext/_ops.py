@@ -28,6 +28,9 @@ _DIRECT_ENTRIES = {}
 # The prebuilt extension's whole decode step for flash_attn_with_kvcache's eager CPU calls
 # (csrc/kv_cache_step.h): its result, or None where the Python path must run; None in a JIT build.
 KVCACHE_STEP = None
+# The prebuilt extension's checks and call for the common attention call (csrc/module.cpp,
+# lean_attention; api._lean_forward), or None in a JIT build.
+LEAN_ATTENTION = None
 if _LOADED_FROM.startswith("prebuilt:"):
     from . import _C as _compiled
     if hasattr(_compiled, "fwd_below_autograd"):
@@ -38,6 +41,7 @@ if _LOADED_FROM.startswith("prebuilt:"):
                                 ops.attention_kvcache_append: _compiled.kvcache_append_below_autograd,
                                 ops.attention_rotary: _compiled.rotary_below_autograd})
     KVCACHE_STEP = getattr(_compiled, "kvcache_step", None)
+    LEAN_ATTENTION = getattr(_compiled, "lean_attention", None)
 
 
 def call_below_autograd(op, *args):

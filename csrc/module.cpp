@@ -2,8 +2,9 @@
 // TORCH_LIBRARY blocks register the ops. The module adds direct entries to them for the package's
 // hot calls (attention_ext/_ops.py, call_below_autograd): fwd_below_autograd and bwd_below_autograd,
 // and a decode step's three (flash_attn_with_kvcache): kvcache_fwd_below_autograd,
-// kvcache_append_below_autograd and rotary_below_autograd; and kvcache_step, the whole of a common
-// decode step (kv_cache_step.h).
+// kvcache_append_below_autograd and rotary_below_autograd; kvcache_step, the whole of a common
+// decode step (kv_cache_step.h); and lean_attention, the checks and call of the common attention
+// call (api._lean_forward).
 //
 // Why: a torch.ops call converts each of its arguments (13 or 19 here) to an IValue through the schema in
 // Python and pybind11 (measured on a decode-sized forward, (1,4,1,32) against 64 keys: 11.3 µs
@@ -23,9 +24,11 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -188,6 +191,114 @@ PyObject* kvcache_append_below_autograd(PyObject*, PyObject* const* items, Py_ss
   END_HANDLE_TH_ERRORS
 }
 
+// The common attention call with nothing to normalise (attention_ext/api.py, _lean_forward):
+// lean_attention(query, key, value, causal_code, scale, enable_gqa) with plain tensors (no
+// subclass, no torch function mode) of one float dtype, strided and not nested, on the CPU or on
+// one CUDA device whose kernels are built; the same rank (2 + at most 8 batch dims), head dim,
+// key count and leading dims (with enable_gqa: all but the heads, the query's a multiple of K/V's);
+// scale None (1/sqrt(d)) or a finite float within the dtype's rule. Answers None for anything
+// else (the full path then checks the call and names what is wrong), else:
+//   * (out, lse): nothing for autograd to record (grad mode off, or no input requires grad), the
+//     op run below the autograd keys (GQA: the query heads split into (K/V heads, groups) as views
+//     and joined again);
+//   * (query, key, value, scale, groups): autograd must record the call, on these tensors (the
+//     GQA views made here, recorded by autograd), through the package's autograd Function.
+//   * (out, lse) also while jit.trace records with autograd on: the op with its registered autograd.
+// The checks are _lean_forward's, in C++ (a small call spent 4 µs of its 7.5 in them in Python).
+// The caller has ruled out forward-mode AD, functorch transforms, torch.compile and autocast.
+PyObject* lean_attention(PyObject*, PyObject* const* items, Py_ssize_t count) {
+  HANDLE_TH_ERRORS
+  Args a{"lean_attention", items, count, 6};
+  at::Tensor q = a.tensor(0), k = a.tensor(1), v = a.tensor(2);
+  const int64_t causal = a.integer(3);
+  const bool gqa = a.boolean(5);
+  if (a.deferred) Py_RETURN_NONE;
+  for (const at::Tensor* t : {&q, &k, &v})
+    if (t->layout() != at::kStrided || t->is_nested()) Py_RETURN_NONE;
+  const at::ScalarType dtype = q.scalar_type();
+  if ((dtype != at::kDouble && dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) ||
+      k.scalar_type() != dtype || v.scalar_type() != dtype)
+    Py_RETURN_NONE;
+  if (q.is_cpu()) {
+    if (!k.is_cpu() || !v.is_cpu()) Py_RETURN_NONE;
+  } else {
+    static const bool cuda_kernels = c10::Dispatcher::singleton()
+                                         .findSchemaOrThrow(attention_ext::op_handles::kFwd, "")
+                                         .hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+    if (!q.is_cuda() || !k.is_cuda() || !v.is_cuda() || k.get_device() != q.get_device() ||
+        v.get_device() != q.get_device() || !cuda_kernels)
+      Py_RETURN_NONE;
+  }
+  const int64_t rank = q.dim();
+  if (rank < 2 || k.dim() != rank || v.dim() != rank || q.size(-1) != k.size(-1) || k.size(-2) != v.size(-2) ||
+      rank - 2 > 8)
+    Py_RETURN_NONE;
+  int64_t groups = 1;
+  if (gqa) {  // as _apply_gqa: query heads split into (K/V heads, groups), K/V a broadcast dim
+    if (rank < 3 || k.size(-3) != v.size(-3) || k.size(-3) == 0 || q.size(-3) % k.size(-3) != 0 || rank - 1 > 8)
+      Py_RETURN_NONE;
+    groups = q.size(-3) / k.size(-3);
+  }
+  for (int64_t i = 0; i < rank - 2 - (groups > 1 ? 1 : 0); ++i)
+    if (q.size(i) != k.size(i) || k.size(i) != v.size(i)) Py_RETURN_NONE;
+  double scale;
+  if (items[4] == Py_None) {
+    const int64_t d = k.size(-1);
+    scale = d > 0 ? 1.0 / std::sqrt(static_cast<double>(d)) : 1.0;
+  } else {
+    if (!PyFloat_CheckExact(items[4])) Py_RETURN_NONE;
+    scale = PyFloat_AS_DOUBLE(items[4]);
+    // finite, and scale·log2(e) within the accumulation dtype (_constants.scale_overflows)
+    const double acc_max = dtype == at::kDouble ? std::numeric_limits<double>::max()
+                                                : static_cast<double>(std::numeric_limits<float>::max());
+    if (!(std::abs(scale) < std::numeric_limits<double>::infinity()) ||
+        std::abs(scale) * 1.4426950408889634 > acc_max)
+      Py_RETURN_NONE;
+  }
+  if (groups > 1) {
+    q = q.unflatten(-3, {k.size(-3), groups});
+    k = k.unsqueeze(-3);
+    v = v.unsqueeze(-3);
+  }
+  const bool record = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  if (record && torch::jit::tracer::isTracing()) {
+    // jit.trace: the op itself with its registered autograd, which a trace can save (the autograd
+    // Function is a Python call it cannot); the trace records it and the views around it.
+    auto [out, lse] = handle<FwdSig, kFwd>().call(q, k, v, std::nullopt, scale, causal, int64_t{-1}, int64_t{-1}, 0.0,
+                                                  std::nullopt, std::nullopt, 0.0, std::nullopt);
+    if (groups > 1) {
+      out = out.flatten(-4, -3);
+      lse = lse.flatten(-3, -2);
+    }
+    return wrap_all({out, lse});
+  }
+  if (record) {
+    PyObject* out = PyTuple_New(5);
+    if (out == nullptr) return nullptr;
+    PyObject* scale_object = PyFloat_FromDouble(scale);
+    PyObject* groups_object = PyLong_FromLongLong(groups);
+    PyObject* wrapped[3] = {THPVariable_Wrap(q), THPVariable_Wrap(k), THPVariable_Wrap(v)};
+    PyObject* parts[5] = {wrapped[0], wrapped[1], wrapped[2], scale_object, groups_object};
+    for (int i = 0; i < 5; ++i) {
+      if (parts[i] == nullptr) {
+        for (int j = 0; j < 5; ++j) Py_XDECREF(parts[j]);
+        Py_DECREF(out);
+        return nullptr;
+      }
+    }
+    for (int i = 0; i < 5; ++i) PyTuple_SET_ITEM(out, i, parts[i]);
+    return out;
+  }
+  auto [out, lse] = call_below_autograd<FwdSig, kFwd>(q, k, v, std::nullopt, scale, causal, int64_t{-1}, int64_t{-1},
+                                                      0.0, std::nullopt, std::nullopt, 0.0, std::nullopt);
+  if (groups > 1) {
+    out = out.flatten(-4, -3);
+    lse = lse.flatten(-3, -2);
+  }
+  return wrap_all({out, lse});
+  END_HANDLE_TH_ERRORS
+}
+
 // attention_rotary(x, cos, sin, start, per_row, interleaved) -> Tensor | None
 PyObject* rotary_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t count) {
   HANDLE_TH_ERRORS
@@ -276,6 +387,9 @@ PyMethodDef methods[] = {
      "torch.ops then."},
     {"rotary_below_autograd", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rotary_below_autograd)),
      METH_FASTCALL, "attention_rotary's arguments; the op below the autograd keys, or None: call torch.ops then."},
+    {"lean_attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(lean_attention)), METH_FASTCALL,
+     "(query, key, value, causal_code, scale, enable_gqa): (out, lse) computed, (query, key, value, scale, groups) "
+     "for the autograd Function, or None: the full path then."},
     {"kvcache_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(kvcache_step)), METH_FASTCALL,
      "flash_attn_with_kvcache's arguments, in its order; a CPU decode step in one call (out, or (out, lse)), "
      "or None: the Python path decides."},

@@ -106,6 +106,7 @@ def test_the_common_inference_call_skips_the_argument_handling_and_gives_the_sam
     """Plain tensors, one dtype and device, the same leading dims, no mask, dropout or modifier, and
     nothing for autograd: straight to the op (decode-sized calls spent most of their time in the
     argument handling). The result is the full path's, bit for bit."""
+    direct_entries()  # (the lean path's checks are the compiled extension's)
     q, k, v = inputs(n=1, m=9)
     full = [attention_ext.attention(q, k, v, causal=c, scale=0.3, return_lse=True) for c in (None, "bottom_right")]
     full.append(attention_ext.scaled_dot_product_attention(q, k, v, is_causal=True))
@@ -120,6 +121,7 @@ def test_the_common_inference_call_skips_the_argument_handling_and_gives_the_sam
 def test_a_gqa_call_takes_the_lean_path_with_the_full_path_s_bits_and_gradients(monkeypatch):
     """enable_gqa splits the query heads into (K/V heads, groups) as views on the lean path too:
     outputs, lse and gradients are the full path's, bit for bit."""
+    direct_entries()
     from attention_ext import api
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 6, 3, 8, generator=g, dtype=torch.float64)
@@ -145,6 +147,7 @@ def test_a_gqa_call_takes_the_lean_path_with_the_full_path_s_bits_and_gradients(
 
 
 def test_the_lean_path_records_the_autograd_function_when_an_input_requires_grad(monkeypatch):
+    direct_entries()  # (the lean path's checks are the compiled extension's)
     q, k, v = inputs(n=3, m=9)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.autograd.backward(attention_ext.attention(*leaves, attn_mask=torch.ones(3, 9, dtype=torch.bool)),
@@ -184,6 +187,58 @@ def test_every_other_call_takes_the_full_path_and_its_checks(monkeypatch):
         attention_ext.scaled_dot_product_attention(q, k, v, dropout_p="0.0")
     with pytest.raises(ValueError, match="causal must be"):
         attention_ext.attention(q, k, v, causal="upper")
+
+
+def test_the_lean_entry_answers_the_common_call_and_declines_every_other(monkeypatch):
+    """csrc/module.cpp's lean_attention holds the lean path's rule: (out, lse) for a call it may
+    run, the tensors for the autograd Function when autograd must record it, None (the full path
+    then checks the call) for anything else."""
+    from attention_ext import _ops
+    direct_entries()
+    lean = _ops.LEAN_ATTENTION
+    q, k, v = inputs(n=3, m=9)
+    out, lse = lean(q, k, v, 0, None, False)
+    expected = attention_ext.attention(q, k, v, attn_mask=torch.ones(3, 9, dtype=torch.bool), return_lse=True)
+    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+    qg = torch.randn(2, 6, 3, 8, dtype=torch.float64, requires_grad=True)
+    prepared = lean(qg, k, v, 1, 0.5, True)  # GQA: 6 query heads on 3 K/V heads
+    assert len(prepared) == 5 and prepared[0].shape == (2, 3, 2, 3, 8) and prepared[1].shape == (2, 3, 1, 9, 8)
+    assert prepared[0]._base is qg and prepared[3:] == (0.5, 2)
+    with torch.no_grad():
+        out, lse = lean(qg, k, v, 1, 0.5, True)
+    assert out.shape == (2, 6, 3, 8) and lse.shape == (2, 6, 3)
+
+    class Sub(torch.Tensor):
+        pass
+    declined = {
+        "an int scale": (q, k, v, 0, 1, False),
+        "an infinite scale": (q, k, v, 0, float("inf"), False),
+        "a NaN scale": (q, k, v, 0, float("nan"), False),
+        "a scale beyond float32 after log2(e)": (q.float(), k.float(), v.float(), 0, 3e38, False),
+        "mixed dtypes": (q, k.float(), v, 0, None, False),
+        "an int dtype": (q.long(), k.long(), v.long(), 0, None, False),
+        "other head dims": (q, k[..., :4], v, 0, None, False),
+        "other key counts": (q, k, v[..., :5, :], 0, None, False),
+        "broadcast leading dims": (q, k[:1], v[:1], 0, None, False),
+        "GQA heads that do not divide": (q, k[:, :2], v[:, :2], 0, None, True),
+        "one dim": (q[0, 0, 0], k[0, 0, 0], v[0, 0, 0], 0, None, False),
+        "meta tensors": (q.to("meta"), k.to("meta"), v.to("meta"), 0, None, False),
+        "a subclass": (q.as_subclass(Sub), k, v, 0, None, False),
+        "a sparse key": (q, k.to_sparse(), v, 0, None, False),
+        "a non-bool enable_gqa": (q, k, v, 0, None, 1),
+    }
+    for what, args in declined.items():
+        assert lean(*args) is None, what
+    import warnings
+    with warnings.catch_warnings():  # (torch calls its strided nested tensors a prototype)
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.randn(2, 3, 8), torch.randn(2, 4, 8)], layout=torch.strided)
+    assert lean(nested, nested, nested, 0, None, False) is None
+    # Autocast, forward-mode AD and torch.compile are the Python side's to rule out: full path.
+    calls = count_full_path_calls(monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attention_ext.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    assert len(calls) == 1
 
 
 def test_scratch_beyond_the_thread_buffer_and_small_calls_between_give_the_same_results(monkeypatch):
