@@ -20,7 +20,7 @@ from ._arguments import (band_rules, enforce, finite, flag, mask_rules, per_head
                          softcap_rules)
 from ._constants import CAUSAL_CODES, lse_dtype
 from ._ops import LEAN_ATTENTION, call_below_autograd, ops
-from .function import AttentionFunction, AttentionWeightsFunction, forward_ad_possible
+from .function import AttentionFunction, AttentionWeightsFunction, attention_function_apply, forward_ad_possible
 
 
 def _check_tensor(t, name):
@@ -365,7 +365,7 @@ def _lean_forward(query, key, value, causal_code, scale, enable_gqa=False):
     if prepared is None or len(prepared) == 2:
         return prepared  # (None, or (out, lse) computed)
     query, key, value, scale, groups = prepared  # autograd records the call
-    out, lse = AttentionFunction.apply(query, key, value, None, scale, causal_code, -1, -1, 0.0, None, None, 0.0, None)
+    out, lse = attention_function_apply(query, key, value, None, scale, causal_code, -1, -1, 0.0, None, None, 0.0, None)
     if groups > 1:
         return out.flatten(-4, -3), lse.flatten(-3, -2)
     return out, lse

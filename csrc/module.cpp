@@ -215,6 +215,11 @@ PyObject* lean_attention(PyObject*, PyObject* const* items, Py_ssize_t count) {
   if (a.deferred) Py_RETURN_NONE;
   for (const at::Tensor* t : {&q, &k, &v})
     if (t->layout() != at::kStrided || t->is_nested()) Py_RETURN_NONE;
+  // A functorch wrapper (with no transform active, as the caller has made sure, one whose
+  // transform has ended): torch's apply unwraps those, which the caller skips; the full path then.
+  const c10::DispatchKeySet wrappers({c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::FuncTorchBatched});
+  for (const at::Tensor* t : {&q, &k, &v})
+    if (t->key_set().has_any(wrappers)) Py_RETURN_NONE;
   const at::ScalarType dtype = q.scalar_type();
   if ((dtype != at::kDouble && dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) ||
       k.scalar_type() != dtype || v.scalar_type() != dtype)

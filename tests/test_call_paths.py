@@ -227,8 +227,13 @@ def test_the_lean_entry_answers_the_common_call_and_declines_every_other(monkeyp
         "a sparse key": (q, k.to_sparse(), v, 0, None, False),
         "a non-bool enable_gqa": (q, k, v, 0, None, 1),
     }
+    escaped = []  # a functorch wrapper whose transform has ended (torch's apply unwraps those)
+    torch.func.grad(lambda x: escaped.append(x) or x.sum())(q.clone())
+    declined["a dead functorch wrapper"] = (escaped[0], k, v, 0, None, False)
     for what, args in declined.items():
         assert lean(*args) is None, what
+    assert torch.equal(attention_ext.scaled_dot_product_attention(escaped[0], k, v),
+                       attention_ext.scaled_dot_product_attention(q, k, v))
     import warnings
     with warnings.catch_warnings():  # (torch calls its strided nested tensors a prototype)
         warnings.simplefilter("ignore")
