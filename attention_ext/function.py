@@ -159,17 +159,19 @@ def _backward(ctx, grad_out, grad_lse):
     query, key, value, attn_mask, out, lse, rng_state, alibi_slopes, sinks = ctx.saved_tensors
     if grad_out is None and grad_lse is None:
         return (None,) * 13
-    dsinks = sink_gradient(sinks, lse, out, grad_out, grad_lse) if ctx.needs_input_grad[10] else None
+    # (needs_input_grad builds a tuple per access: asked only where there is a mask or sinks)
+    dsinks = sink_gradient(sinks, lse, out, grad_out, grad_lse) \
+        if sinks is not None and ctx.needs_input_grad[10] else None
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    mask_grad = bool(ctx.needs_input_grad[3]) and attn_mask is not None
+    mask_grad = attn_mask is not None and bool(ctx.needs_input_grad[3])
     args = (grad_out, grad_lse, query, key, value, attn_mask, out, lse, ctx.scale, *ctx.logit, alibi_slopes, sinks,
             ctx.dropout_p, rng_state, mask_grad, False)
     if torch.is_grad_enabled():  # create_graph=True: keep the graph for double backward
         dq, dk, dv, dmask = AttentionBackward.apply(*args)
     else:
         dq, dk, dv, dmask = call_below_autograd(ops.attention_bwd, *args)
-    return (dq, dk, dv, (dmask if mask_grad else None)) + (None,) * 6 + (dsinks, None, None)
+    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, dsinks, None, None
 
 
 class AttentionFunction(_PositionalApply, torch.autograd.Function):
