@@ -662,7 +662,8 @@ def run_device(a, shapes, modes, cands, dtype, reps, min_sample_s, out_prefix):
             "min_sample_s": min_sample_s, "device": DEVICE,
             "cpu": cpu_name() if DEVICE == "cpu" else torch.cuda.get_device_name(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "build_info": attention_ext.build_info(),
-            "python": platform.python_version(), "command": " ".join(["python"] + sys.argv),
+            "python": platform.python_version(), "command": ("THP_MEM_ALLOC_ENABLE=1 " if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else "")
+            + " ".join(["python"] + sys.argv),  # (torch's allocator then asks for huge pages: faults change)
             "loadavg_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"[bench] {DEVICE}: {meta['cpu']} | torch {meta['torch']} threads={meta['torch_threads']} | "
