@@ -192,8 +192,8 @@ PyObject* kvcache_append_below_autograd(PyObject*, PyObject* const* items, Py_ss
 }
 
 // The common attention call with nothing to normalise (attention_ext/api.py, _lean_forward):
-// lean_attention(query, key, value, causal_code, scale, enable_gqa) with plain tensors (no
-// subclass, no torch function mode) of one float dtype, strided and not nested, on the CPU or on
+// lean_attention(query, key, value, causal_code, scale, enable_gqa) with plain tensors (Tensor or
+// Parameter, no other subclass, no torch function mode) of one float dtype, strided and not nested, on the CPU or on
 // one CUDA device whose kernels are built; the same rank (2 + at most 8 batch dims), head dim,
 // key count and leading dims (with enable_gqa: all but the heads, the query's a multiple of K/V's);
 // scale None (1/sqrt(d)) or a finite float within the dtype's rule. Answers None for anything

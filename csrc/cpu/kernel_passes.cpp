@@ -226,7 +226,8 @@ void run_decode_backward(const KernelTable& kernels, std::vector<AttentionParams
   }
   at::Tensor partial_dq;
   if (scratch > 0) {
-    // (one tensor for all calls: float or double elements per call, so double-sized slots)
+    // (one tensor for all calls, of doubles where some call is fp64: each call's slots are sized
+    // in that tensor's elements)
     partial_dq = at::empty({scratch}, at::TensorOptions().dtype(any_double ? at::kDouble : at::kFloat));
     char* base = static_cast<char*>(partial_dq.data_ptr());
     for (AttentionParams& p : calls) {
