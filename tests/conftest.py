@@ -256,6 +256,19 @@ def rand(*shape, dtype=torch.float64, device="cpu", requires_grad=False, scale=1
     return t.requires_grad_(requires_grad)
 
 
+def on_thread_counts(fn, counts=(1, 2, 3)):
+    """fn() run with each of torch's thread counts in turn."""
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for t in counts:
+            torch.set_num_threads(t)
+            results.append(fn())
+        return results
+    finally:
+        torch.set_num_threads(threads)
+
+
 def low_precision_budget(fn_args, dtype, ref):
     """Error of plain torch computing the reference formula in `dtype` (k x this is allowed)."""
     out_lp = attention_reference(*fn_args[0], **fn_args[1], dtype=None)[0]

@@ -12,7 +12,8 @@ import attention_ext
 from attention_ext import attention, draw_rng_state, dropout_mask, scaled_dot_product_attention
 from attention_ext.reference import attention_reference
 
-from conftest import ATOL, amx_tiles, assert_close_to_reference, bf16_decode_on_pairs, low_precision_budget, rand
+from conftest import (ATOL, amx_tiles, assert_close_to_reference, bf16_decode_on_pairs, low_precision_budget,
+                      on_thread_counts, rand)
 
 # One (batch, head) pair and 5000 keys: split into 9 ranges of 576 keys (the last one shorter).
 # The decode path is the CPU kernels' own (the CUDA kernels have one forward for every n).
@@ -124,19 +125,6 @@ def test_decode_gradients_gradcheck():
     mask = rand(1, 1, 2, 1100, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda q, k, v, mask: attention(q, k, v, attn_mask=mask, causal="bottom_right"), (q, k, v, mask))
-
-
-def on_thread_counts(fn, counts=(1, 2, 3)):
-    """fn() run with each of torch's thread counts in turn."""
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for t in counts:
-            torch.set_num_threads(t)
-            results.append(fn())
-        return results
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_decode_is_bitwise_independent_of_thread_count():

@@ -13,7 +13,7 @@ import torch
 from attention_ext import attention, draw_rng_state, dropout_mask, scaled_dot_product_attention
 from attention_ext.reference import attention_reference
 
-from conftest import assert_grads_close_to_reference, rand
+from conftest import assert_grads_close_to_reference, on_thread_counts, rand
 
 pytestmark = pytest.mark.cpu_kernels
 
@@ -172,18 +172,6 @@ def test_a_row_taken_by_one_key_has_no_query_or_key_gradient(cpu_variant, dtype,
         assert torch.equal(dv[:, :, key], g[:, :, r].to(dtype))
     dv[:, :, keys] = 0
     assert torch.all(dv == 0)
-
-
-def on_thread_counts(fn, counts=(1, 2, 3)):
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for t in counts:
-            torch.set_num_threads(t)
-            results.append(fn())
-        return results
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("layout", [SPLIT, UNSPLIT], ids=["split_keys", "one_range"])
