@@ -598,6 +598,6 @@ del _fn
 
 # AttentionFunction's apply without _PositionalApply's checks and unwrapping, for api._lean_forward,
 # which has ruled out what they look for (its 13 arguments positional, no compiler, no functorch
-# transform; the compiled entry declines functorch wrappers, which torch's apply would unwrap): ~4 µs of a small
-# call's 12 with autograd.
+# transform; the compiled entry declines functorch wrappers, which torch's apply would unwrap):
+# ~4 µs of a small call's 12 with autograd.
 attention_function_apply = super(torch.autograd.Function, AttentionFunction).apply
