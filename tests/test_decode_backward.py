@@ -25,7 +25,8 @@ UNSPLIT = dict(batch=(4, 8), m=300)
 
 def qkv(batch, n, m, dk=64, dv=64, dtype=torch.float64, kv_batch=None):
     kv_batch = batch if kv_batch is None else kv_batch
-    return (rand(*batch, n, dk, dtype=dtype, requires_grad=True), rand(*kv_batch, m, dk, dtype=dtype, requires_grad=True),
+    return (rand(*batch, n, dk, dtype=dtype, requires_grad=True),
+            rand(*kv_batch, m, dk, dtype=dtype, requires_grad=True),
             rand(*kv_batch, m, dv, dtype=dtype, requires_grad=True))
 
 
