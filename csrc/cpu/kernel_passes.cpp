@@ -197,8 +197,8 @@ bool use_decode_backward(const AttentionParams& p, const std::string& forced, co
   if (!forced.empty() && forced != "decode") return false;
   const int64_t acc_bytes = p.dtype == ScalarType::kFloat64 ? 8 : 4;
   const int64_t positions = p.batch_numel / owners_of(p, p.grad_k);
-  const int64_t held = positions * ceil_div(p.n, 4) * 4 * (2 * ceil_div(imax(p.dk, 1), 16) + ceil_div(imax(p.dv, 1), 16)) *
-                       16 * acc_bytes;
+  const int64_t row_bytes = (2 * ceil_div(imax(p.dk, 1), 16) + ceil_div(imax(p.dv, 1), 16)) * 16 * acc_bytes;
+  const int64_t held = positions * ceil_div(p.n, 4) * 4 * row_bytes;  // (Q, dQ and dO rows, 16-lane padded)
   return held <= kFusedDqScratchBytes;
 }
 
