@@ -266,41 +266,36 @@ PyObject* lean_attention(PyObject*, PyObject* const* items, Py_ssize_t count) {
     v = v.unsqueeze(-3);
   }
   const bool record = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
-  if (record && torch::jit::tracer::isTracing()) {
-    // jit.trace: the op itself with its registered autograd, which a trace can save (the autograd
-    // Function is a Python call it cannot); the trace records it and the views around it.
-    auto [out, lse] = handle<FwdSig, kFwd>().call(q, k, v, std::nullopt, scale, causal, int64_t{-1}, int64_t{-1}, 0.0,
-                                                  std::nullopt, std::nullopt, 0.0, std::nullopt);
+  if (!record || torch::jit::tracer::isTracing()) {
+    // Nothing to record: the op below the autograd keys. jit.trace recording autograd: the op
+    // itself with its registered autograd, which a trace can save (the autograd Function is a
+    // Python call it cannot); the trace records it and the views around it.
+    auto [out, lse] = record ? handle<FwdSig, kFwd>().call(q, k, v, std::nullopt, scale, causal, int64_t{-1},
+                                                           int64_t{-1}, 0.0, std::nullopt, std::nullopt, 0.0,
+                                                           std::nullopt)
+                             : call_below_autograd<FwdSig, kFwd>(q, k, v, std::nullopt, scale, causal, int64_t{-1},
+                                                                 int64_t{-1}, 0.0, std::nullopt, std::nullopt, 0.0,
+                                                                 std::nullopt);
     if (groups > 1) {
       out = out.flatten(-4, -3);
       lse = lse.flatten(-3, -2);
     }
     return wrap_all({out, lse});
   }
-  if (record) {
-    PyObject* out = PyTuple_New(5);
-    if (out == nullptr) return nullptr;
-    PyObject* scale_object = PyFloat_FromDouble(scale);
-    PyObject* groups_object = PyLong_FromLongLong(groups);
-    PyObject* wrapped[3] = {THPVariable_Wrap(q), THPVariable_Wrap(k), THPVariable_Wrap(v)};
-    PyObject* parts[5] = {wrapped[0], wrapped[1], wrapped[2], scale_object, groups_object};
-    for (int i = 0; i < 5; ++i) {
-      if (parts[i] == nullptr) {
-        for (int j = 0; j < 5; ++j) Py_XDECREF(parts[j]);
-        Py_DECREF(out);
-        return nullptr;
-      }
+  // Autograd records the call: the tensors for the autograd Function.
+  PyObject* out = PyTuple_New(5);
+  if (out == nullptr) return nullptr;
+  PyObject* parts[5] = {THPVariable_Wrap(q), THPVariable_Wrap(k), THPVariable_Wrap(v), PyFloat_FromDouble(scale),
+                        PyLong_FromLongLong(groups)};
+  for (int i = 0; i < 5; ++i) {
+    if (parts[i] == nullptr) {
+      for (int j = 0; j < 5; ++j) Py_XDECREF(parts[j]);
+      Py_DECREF(out);
+      return nullptr;
     }
-    for (int i = 0; i < 5; ++i) PyTuple_SET_ITEM(out, i, parts[i]);
-    return out;
   }
-  auto [out, lse] = call_below_autograd<FwdSig, kFwd>(q, k, v, std::nullopt, scale, causal, int64_t{-1}, int64_t{-1},
-                                                      0.0, std::nullopt, std::nullopt, 0.0, std::nullopt);
-  if (groups > 1) {
-    out = out.flatten(-4, -3);
-    lse = lse.flatten(-3, -2);
-  }
-  return wrap_all({out, lse});
+  for (int i = 0; i < 5; ++i) PyTuple_SET_ITEM(out, i, parts[i]);
+  return out;
   END_HANDLE_TH_ERRORS
 }
 

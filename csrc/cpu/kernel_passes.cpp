@@ -101,14 +101,17 @@ int64_t query_tiles(const AttentionParams& p) { return p.batch_numel * ceil_div(
 // memory once per key tile as well.
 constexpr int64_t kFusedDqScratchBytes = int64_t{32} << 20;
 
+// d padded to the widest vector's lanes (16): an upper bound on any variant's padded head dim.
+int64_t widest_padded(int64_t d) { return ceil_div(imax(d, 1), 16) * 16; }
+
 bool use_fused_backward(const AttentionParams& p, const std::string& forced) {
   if (owners_of(p, p.grad_q) != p.batch_numel) return false;  // query broadcast: dQ rows shared
   if (p.n == 0 || p.m == 0) return false;
   if (forced == "fused" || forced == "split") return forced == "fused";
   const int64_t key_owners = owners_of(p, p.grad_k);
   const int64_t acc_bytes = p.dtype == ScalarType::kFloat64 ? 8 : 4;
-  const int64_t dq_scratch = (p.batch_numel / key_owners) * ceil_div(p.n, kBlockM) * kBlockM *
-                             ceil_div(imax(p.dk, 1), 16) * 16 * acc_bytes;  // (16: the widest vector's lanes)
+  const int64_t dq_scratch = (p.batch_numel / key_owners) * ceil_div(p.n, kBlockM) * kBlockM * widest_padded(p.dk) *
+                             acc_bytes;
   return key_owners >= 2 * static_cast<int64_t>(at::get_num_threads()) && dq_scratch <= kFusedDqScratchBytes;
 }
 
@@ -197,8 +200,8 @@ bool use_decode_backward(const AttentionParams& p, const std::string& forced, co
   if (!forced.empty() && forced != "decode") return false;
   const int64_t acc_bytes = p.dtype == ScalarType::kFloat64 ? 8 : 4;
   const int64_t positions = p.batch_numel / owners_of(p, p.grad_k);
-  const int64_t row_bytes = (2 * ceil_div(imax(p.dk, 1), 16) + ceil_div(imax(p.dv, 1), 16)) * 16 * acc_bytes;
-  const int64_t held = positions * ceil_div(p.n, 4) * 4 * row_bytes;  // (Q, dQ and dO rows, 16-lane padded)
+  const int64_t row_bytes = (2 * widest_padded(p.dk) + widest_padded(p.dv)) * acc_bytes;  // (Q, dQ and dO rows)
+  const int64_t held = positions * ceil_div(p.n, 4) * 4 * row_bytes;
   return held <= kFusedDqScratchBytes;
 }
 
@@ -217,11 +220,15 @@ void set_decode_backward_splits(AttentionParams& p) {
 // The decode backward of `calls`: row statistics, the gradients over key ranges, and the sum of
 // the ranges' partial dQ where a call has several.
 void run_decode_backward(const KernelTable& kernels, std::vector<AttentionParams>& calls) {
+  // A call's partial dQ: n rows per (batch index, key range), each at most widest_padded(d_k) wide.
+  const auto partial_dq_elements = [](const AttentionParams& p) {
+    return p.kv_splits > 1 ? p.batch_numel * p.kv_splits * p.n * widest_padded(p.dk) : 0;
+  };
   int64_t scratch = 0;
   bool any_double = false;
   for (AttentionParams& p : calls) {
     set_decode_backward_splits(p);
-    if (p.kv_splits > 1) scratch += p.batch_numel * p.kv_splits * p.n * ceil_div(imax(p.dk, 1), 16) * 16;
+    scratch += partial_dq_elements(p);
     any_double |= p.dtype == ScalarType::kFloat64;
   }
   at::Tensor partial_dq;
@@ -233,7 +240,7 @@ void run_decode_backward(const KernelTable& kernels, std::vector<AttentionParams
     for (AttentionParams& p : calls) {
       if (p.kv_splits == 1) continue;
       p.split_out = base;
-      base += p.batch_numel * p.kv_splits * p.n * ceil_div(imax(p.dk, 1), 16) * 16 * partial_dq.element_size();
+      base += partial_dq_elements(p) * partial_dq.element_size();
     }
   }
   const Calls all = all_of(calls);
