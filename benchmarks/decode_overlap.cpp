@@ -18,7 +18,9 @@
 //               apart), then the chunk's V rows head by head (storage order, as the kernel reads a
 //               (tokens, heads, d) cache); software prefetch of the rows 32 tokens ahead, every
 //               head's span of a token at once, into L2 (PREFETCHT2, as the kernel), or none, or
-//               128 ahead, or with the caches on transparent huge pages;
+//               128 ahead, or with the caches on transparent huge pages, or (next chunk/head) each
+//               head's rows of the next chunk asked for into L2 just before the head's work in
+//               this one, the kernel's NextChunk since it was measured here;
 //   sequential  the same chunks, K read two tokens at a time for every head (the cache's own byte
 //               order: each FMA loads its head's query vector), V as above; no software prefetch.
 // Per order, ns per (key, K/V head), i.e. per 512 bytes of K and V:
@@ -66,7 +68,7 @@ double seconds() {
 }
 
 enum class Order { kKernel, kSequential };
-enum class Fetch { kNone, kAhead32, kAhead128 };
+enum class Fetch { kNone, kAhead32, kAhead128, kNextChunkByHead };
 
 // One thread's cache and decode state.
 struct Decoder {
@@ -175,6 +177,12 @@ struct Decoder {
       for (long b = 0; b < kTokenFloats; b += 16)
         _mm_prefetch(reinterpret_cast<const char*>(base + r * kTokenFloats + b), _MM_HINT_T2);
   }
+  // head h's rows of tokens [t, t + kChunk) into L2 (the kernel's NextChunk, one head at a time)
+  void fetch_head(const float* base, long h, long t) const {
+    for (long r = t; r < std::min(t + kChunk, tokens); ++r)
+      for (long b = 0; b < kDim; b += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(base + r * kTokenFloats + h * kDim + b), _MM_HINT_T2);
+  }
   // one load per line of head h's rows of tokens [t, t + count)
   void touch(const float* base, long h, long t, long count) {
     float a = 0;
@@ -186,19 +194,26 @@ struct Decoder {
   // One pass over the cache in `order`; work = false: one load per line instead of the work.
   void pass(Order order, Fetch fetch_scheme, bool work) {
     const long ahead = fetch_scheme == Fetch::kAhead32 ? 32 : 128;
+    const bool burst = fetch_scheme == Fetch::kAhead32 || fetch_scheme == Fetch::kAhead128;
+    const bool by_head = fetch_scheme == Fetch::kNextChunkByHead;
     for (long t0 = 0; t0 < tokens; t0 += kTile) {
       for (long c = 0; c < kTile; c += kChunk) {
         const long t = t0 + c;
-        if (fetch_scheme != Fetch::kNone) fetch(key, t, ahead);
+        if (burst) fetch(key, t, ahead);
         if (!work) {
           if (order == Order::kKernel)
-            for (long h = 0; h < kHeads; ++h) touch(key, h, t, kChunk);
+            for (long h = 0; h < kHeads; ++h) {
+              if (by_head) fetch_head(key, h, t + kChunk);
+              touch(key, h, t, kChunk);
+            }
           else
             for (long b = 0; b < kChunk * kTokenFloats; b += 16) touched += key[t * kTokenFloats + b];
         } else if (order == Order::kKernel) {
-          for (long h = 0; h < kHeads; ++h)
+          for (long h = 0; h < kHeads; ++h) {
+            if (by_head) fetch_head(key, h, t + kChunk);
             for (long i = 0; i < kChunk; i += 8)
               eight_keys(h, key + (t + i) * kTokenFloats + h * kDim, kTokenFloats, &scores[h][0][c + i]);
+          }
         } else {
           for (long i = 0; i < kChunk; i += 2) two_tokens(key + (t + i) * kTokenFloats, c + i);
         }
@@ -208,12 +223,14 @@ struct Decoder {
           for (long c = 0; c < kTile; ++c) scores[h][r][c] *= 0.999f;
       for (long c = 0; c < kTile; c += kChunk) {
         const long t = t0 + c;
-        if (fetch_scheme != Fetch::kNone) fetch(value, t, ahead);
-        for (long h = 0; h < kHeads; ++h)
+        if (burst) fetch(value, t, ahead);
+        for (long h = 0; h < kHeads; ++h) {
+          if (by_head) fetch_head(value, h, t + kChunk);
           if (work)
             weighted_values(h, value + t * kTokenFloats + h * kDim, kTokenFloats, c, kChunk);
           else
             touch(value, h, t, kChunk);
+        }
       }
     }
   }
@@ -298,12 +315,14 @@ int main(int argc, char** argv) {
       {"kernel, no prefetch", Order::kKernel, Fetch::kNone, false},
       {"kernel, 128 ahead", Order::kKernel, Fetch::kAhead128, false},
       {"kernel, 32 ahead, THP", Order::kKernel, Fetch::kAhead32, true},
+      {"kernel, next chunk/head", Order::kKernel, Fetch::kNextChunkByHead, false},
       {"sequential", Order::kSequential, Fetch::kNone, false},
   };
+  constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
   // Work alone: a 64-token cache per thread, read 512 times per timing.
-  double work_ns[5];
+  double work_ns[kVariants];
   allocate_all(decoders, kTile, false);
-  for (int i = 0; i < 5; ++i) {
+  for (int i = 0; i < kVariants; ++i) {
     const Variant& v = variants[i];
     work_ns[i] = best_seconds(decoders, 512, [&](Decoder& d) { d.pass(v.order, v.fetch, true); }) / 512 /
                  (static_cast<double>(kTile) * kHeads) * 1e9;
@@ -313,7 +332,7 @@ int main(int argc, char** argv) {
   allocate_all(decoders, tokens, false);
   const double read_before = read_gbps(decoders, bytes);
   std::vector<double> row_work, row_memory, row_together;
-  for (int i = 0; i < 5; ++i) {
+  for (int i = 0; i < kVariants; ++i) {
     const Variant& v = variants[i];
     if (v.huge) {
       total += release_all(decoders);
@@ -337,7 +356,7 @@ int main(int argc, char** argv) {
               threads, tokens, kHeads, kDim, tokens * kTokenFloats * 4.0 / (1 << 20), read_before, read_after);
   std::printf("%-24s %-7s %-7s %-9s %-7s %-10s %-7s\n", "order", "work", "memory", "together", "GB/s",
               "% of read", "overlap");
-  for (int i = 0; i < 5; ++i) {
+  for (int i = 0; i < kVariants; ++i) {
     const double overlap =
         (work_ns[i] + row_memory[i] - row_together[i]) / std::min(work_ns[i], row_memory[i]);
     const double gbps = bytes / (row_together[i] * pairs * 1e-9) / 1e9;
