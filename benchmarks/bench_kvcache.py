@@ -167,7 +167,7 @@ def main(argv=None):
     ap.add_argument("--lengths", default="2048,8192,32768")
     ap.add_argument("--batches", default="1x8,8x8", help="comma list of BATCHxKV_HEADS")
     ap.add_argument("--rows", default="1,4", help="query rows per entry (speculative decoding: several)")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma list of float32, bfloat16, float16")
     ap.add_argument("--heads-per-kv", type=int, default=4,
                     help="query heads per KV head (GQA group size; 1: one query head per KV head)")
     ap.add_argument("--reps", type=int, default=7)
@@ -176,6 +176,10 @@ def main(argv=None):
                     help="also time the contiguous call on this CPU kernel variant (e.g. avx512 beside avx512bf16)")
     ap.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     a = ap.parse_args(argv)
+    cache_dtypes = {**bench.DTYPES, "float16": torch.float16}  # (fp16 caches are common in serving)
+    unknown = [name for name in a.dtypes.split(",") if name not in cache_dtypes]
+    if unknown:
+        ap.error(f"--dtypes {a.dtypes}: unknown {', '.join(unknown)}; choose from {', '.join(cache_dtypes)}")
     if a.also_variant and a.also_variant not in attention_ext.build_info()["cpu_variants_supported"].split(","):
         ap.error(f"--also-variant {a.also_variant}: this CPU and build support "
                  f"{attention_ext.build_info()['cpu_variants_supported']}")
@@ -190,7 +194,7 @@ def main(argv=None):
     print(f"{meta['cpu']}: streaming read {bw_start:.1f} GB/s on {meta['threads']} threads", flush=True)
     rows, append_rows = [], []
     for dtype_name in a.dtypes.split(","):
-        dtype = bench.DTYPES[dtype_name]
+        dtype = cache_dtypes[dtype_name]
         for tokens in (int(t) for t in a.lengths.split(",")):
             for spec in a.batches.split(","):
                 batch, kv_heads = (int(x) for x in spec.split("x"))

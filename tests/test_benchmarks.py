@@ -226,6 +226,13 @@ def test_kvcache_benchmark_times_another_variant_beside_and_refuses_an_unsupport
     proc = subprocess.run(args + ["--also-variant", "nonesuch"], capture_output=True, text=True, timeout=600,
                           env=env_importing_this_attention_ext())
     assert proc.returncode == 2 and "--also-variant nonesuch: this CPU and build support" in proc.stderr
+    # caches of fp16 too; a dtype it does not time is named with the ones it does
+    fp16 = args[:args.index("--dtypes")] + ["--dtypes", "float16", "--reps", "1", "--warmup", "0"]
+    proc = subprocess.run(fp16, capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
+    assert proc.returncode == 0 and re.search(r"float16 +256 1x2 rows 2: ours contiguous", proc.stdout), proc.stderr[-2000:]
+    proc = subprocess.run(args + ["--dtypes", "float64"], capture_output=True, text=True, timeout=600,
+                          env=env_importing_this_attention_ext())
+    assert proc.returncode == 2 and "--dtypes float64: unknown float64; choose from float32, bfloat16, float16" in proc.stderr
 
 
 def test_call_overhead_benchmark_times_our_call_its_parts_and_the_floors(tmp_path):
