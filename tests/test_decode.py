@@ -253,22 +253,25 @@ def group_parts_and_heads_alone(q, k, v, parts, rows_of_one_head=4):
 def test_decode_fp32_rows_four_at_a_time_give_each_row_one_order(cpu_variant, m):
     """fp32 on 16-lane vectors: a K/V head with four or more query rows (a GQA group, several
     rows of one head, or both) sums each logit as four partial sums over d mod 4, in d order,
-    added pairwise, with no horizontal sums (dot_four_rows_interleaved). A row's bits are then
-    the same in a group of 4, 5, 6 or 8 rows and whatever its place in the group (the last group
-    of 5 or 6 is padded with zero rows), and close to the one-row order's. Fewer
+    added pairwise, with no horizontal sums (dot_four_rows_interleaved). Up to four groups of
+    four rows share each key's loads over whole chunks of 16 keys (dot_rows_interleaved: 8 rows
+    make two groups, 9 three with a short last one, 13 four), each row keeping its chain. A row's
+    bits are then the same in a group of 4 to 16 rows and whatever its place in the group (a
+    short last group is padded with zero rows), and close to the one-row order's. Fewer
     rows (1 to 3) keep the one-row order: the test above. (Several K/V heads walked together,
     with rows padded to four: test_decode_interleaved_heads_..., 6q2kv_n3; a key in a block of
     eight or taken alone: test_kv_cache's paged-against-contiguous test.)"""
     g = torch.Generator().manual_seed(m)
-    q = torch.randn(1, 8, 1, 64, generator=g)
+    q = torch.randn(1, 16, 1, 64, generator=g)
     k, v = (torch.randn(1, 1, m, 64, generator=g) for _ in range(2))
-    eight, alone = group_parts_and_heads_alone(q, k, v, [(4, 0), (4, 4), (5, 3), (6, 2)])
+    parts = [(4, 0), (4, 4), (5, 3), (6, 2), (8, 8), (9, 2), (12, 4), (13, 3)]
+    sixteen, alone = group_parts_and_heads_alone(q, k, v, parts, rows_of_one_head=8)
     if four_rows_interleaved(torch.float32):
-        assert not torch.equal(alone, eight), "the four-row order gave the one-row order's bits"
+        assert not torch.equal(alone, sixteen), "the four-row order gave the one-row order's bits"
     else:
-        assert torch.equal(alone, eight)
+        assert torch.equal(alone, sixteen)
     ref = attention_reference(q.double(), k.double(), v.double(), enable_gqa=True)[0]
-    assert_close_to_reference(eight, ref, torch.float32)
+    assert_close_to_reference(sixteen, ref, torch.float32)
     assert_close_to_reference(alone, ref, torch.float32)
 
 
