@@ -10,7 +10,7 @@
 // each at 32768 tokens, past the caches. The work is forward_decode.inc's for four query rows per
 // K/V head (GQA with four query heads per K/V head, one row each):
 //   scores: the four rows' dot products with eight keys at a time, the rows interleaved by four
-//           lanes and each key's four elements broadcast to them (dot_four_rows_eight_keys);
+//           lanes and each key's four elements broadcast to them (dot_groups_of_four_rows<1, 8>);
 //   values: O (4 rows x 64) += P V with O in 16 registers (the 4x4 register block of gemm_block);
 // the softmax in between is left out (a scale of the scores), so the work is a lower bound of the
 // kernel's. Orders:
