@@ -5,7 +5,7 @@ import torch
 import attention_ext
 from attention_ext.reference import attention_reference
 
-from conftest import ATOL, rand
+from conftest import ATOL, cpu_variants, rand
 
 
 def reference_grads(q, k, v, grad, **kw):
@@ -58,6 +58,65 @@ def test_low_precision_gradients(dtype):
         budget = (b.double() - w).abs().max().item()
         err = (g.double() - w).abs().max().item()
         assert err <= max(4 * budget, ATOL[dtype]), (err, budget)
+
+
+# (query batch, key batch, n, m, dk, dv): whole tiles; odd head dims, a short last tile and
+# K/V broadcast over the batch (dK, dV summed over it); 9 query rows (the fewest that take the
+# tiled backward, padded to whole product rows) against many keys.
+BF16_GRAD_SHAPES = [
+    ((1, 2), (1, 2), 128, 128, 64, 64),
+    ((2, 3), (1, 3), 70, 131, 33, 96),
+    ((1, 2), (1, 2), 9, 200, 128, 40),
+]
+
+
+@pytest.mark.parametrize("shape", BF16_GRAD_SHAPES, ids=str)
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask_and_causal"])
+def test_bf16_gradients_on_every_variant_are_within_the_bf16_budget(shape, masked, cpu_variant):
+    """bf16 gradients stay within k x plain torch's own bf16 error on every CPU variant. The amx
+    (tiles) and avx512bf16 (dot products) variants run the backward's five products on bf16
+    pairs, with P and dS rounded to bf16 for dV, dK and dQ as torch's bf16 path rounds them:
+    every packing path (odd head dims, padded rows, broadcast K/V, a float mask with causal)
+    must keep to the budget."""
+    qb, kb, n, m, dk, dv = shape
+    q = rand(*qb, n, dk, dtype=torch.bfloat16, requires_grad=True)
+    k = rand(*kb, m, dk, dtype=torch.bfloat16, requires_grad=True)
+    v = rand(*kb, m, dv, dtype=torch.bfloat16, requires_grad=True)
+    kw = dict(causal="bottom_right") if masked else {}
+    mask = rand(n, m, dtype=torch.bfloat16) if masked else None
+    out = attention_ext.attention(q, k, v, attn_mask=mask, **kw)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = reference_grads(q, k, v, grad, attn_mask=mask, **kw)
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    lp = torch.autograd.grad(attention_reference(ql, kl, vl, mask, dtype=None, **kw)[0], (ql, kl, vl), grad)
+    for name, g, w, b in zip("qkv", got, want, lp):
+        budget = (b.double() - w).abs().max().item()
+        err = (g.double() - w).abs().max().item()
+        assert err <= max(4 * budget, ATOL[torch.bfloat16]), f"d{name}: {err:.3e}, budget {budget:.3e}"
+
+
+@pytest.mark.cpu_kernels
+@pytest.mark.skipif("avx512bf16" not in cpu_variants(), reason="this CPU has no AVX512-BF16")
+def test_avx512bf16_variant_runs_its_own_bf16_backward():
+    # Its products round P and dS to bf16, so its bf16 gradients differ from the avx512 variant's
+    # (fp32 products on widened inputs); fp32 runs the same code in both, bit for bit.
+    grads = {}
+    previous = attention_ext.cpu_variant()
+    try:
+        for variant in ("avx512bf16", "avx512"):
+            attention_ext.set_cpu_variant(variant)
+            for dtype in (torch.bfloat16, torch.float32):
+                torch.manual_seed(0)
+                q, k, v = (rand(1, 2, 100, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+                out = attention_ext.scaled_dot_product_attention(q, k, v)
+                grads[variant, dtype] = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    finally:
+        attention_ext.set_cpu_variant(previous)
+    for a, b in zip(grads["avx512bf16", torch.bfloat16], grads["avx512", torch.bfloat16]):
+        assert not torch.equal(a, b)
+    for a, b in zip(grads["avx512bf16", torch.float32], grads["avx512", torch.float32]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])

@@ -51,7 +51,7 @@ const KernelTable& kernels_avx512() {
   return table_of<avx512::fill_forward_kernels, avx512::fill_backward_kernels>("avx512");
 }
 const KernelTable& kernels_avx512bf16() {
-  return table_of<avx512bf16::fill_forward_kernels, avx512::fill_backward_kernels>("avx512bf16");
+  return table_of<avx512bf16::fill_forward_kernels, avx512bf16::fill_backward_kernels>("avx512bf16");
 }
 #endif
 #if defined(ATTN_AMX_COMPILED)

@@ -5,8 +5,7 @@
 //   #include "../forward_kernels.inc"       (or backward_kernels.inc)
 //   #include "../isa_end.h"
 // (csrc/cpu/variants/<isa>_<stage>.cpp), so touching one stage recompiles that stage's variants
-// (five forward, four backward) and nothing else. (The avx512bf16 variant differs from avx512 in the forward only; its
-// table takes avx512's backward.) This header includes what the kernels need, then sets the target
+// (five of each) and nothing else. This header includes what the kernels need, then sets the target
 // ISA (#pragma GCC target), the vector width ATTN_VEC_BYTES (64 AVX-512, 32 AVX2, 16 SSE2/NEON)
 // and the namespace attention_ext::cpu::<isa>. Everything a stage defines is static or in that
 // namespace and no header template is instantiated under the pragma for the first time, so no
@@ -52,7 +51,7 @@
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c,bmi2")
 #define ATTN_ISA_PUSHED 1
 #define ATTN_VEC_BYTES 64
-#define ATTN_BF16_DOT 1  // the bf16 forward's tile products as AVX512-BF16 dot products
+#define ATTN_BF16_DOT 1  // the bf16 forward's and backward's tile products as AVX512-BF16 dot products
 #define ATTN_ISA_NAMESPACE avx512bf16
 #elif defined(ATTN_ISA_AVX512)
 #pragma GCC push_options

@@ -148,9 +148,7 @@ ATTN_DECLARE_VARIANT_STAGES(generic)
 #if defined(__x86_64__) || defined(_M_X64)
 ATTN_DECLARE_VARIANT_STAGES(avx2)
 ATTN_DECLARE_VARIANT_STAGES(avx512)
-namespace avx512bf16 {
-void fill_forward_kernels(KernelTable&);  // its backward is avx512's
-}
+ATTN_DECLARE_VARIANT_STAGES(avx512bf16)
 #endif
 #if defined(ATTN_AMX_COMPILED)
 ATTN_DECLARE_VARIANT_STAGES(amx)
