@@ -35,6 +35,7 @@ std::string build_info() {
   os << "cpu_variant=" << cpu::active_kernels().name << "\n";
   os << "cpu_vector_bytes=" << cpu::active_kernels().vector_bytes << "\n";
   os << "amx_tile_state=" << cpu::amx_tile_state() << "\n";
+  os << "cpu_avx512_double_pumped=" << (cpu::avx512_double_pumped() ? 1 : 0) << "\n";
 #if defined(ATTENTION_EXT_WITH_CUDA)
   os << "cuda=1\n";
 #else

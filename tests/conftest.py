@@ -135,13 +135,15 @@ def bf16_decode_on_pairs(cpu_variant: str, rows: int, dk: int, dv: int) -> bool:
     """Whether a bf16 decode call with `rows` query rows per K/V head (the heads sharing it x n),
     unit-stride K/V rows of widths dk and dv, takes its products on pairs of bf16: AVX512-BF16 dot
     products in the avx512bf16 variant from two rows, except exactly four (one register block of
-    the vector code's four-row loops; csrc/cpu/decode_bf16_dot.inc), AMX tiles in the amx variant
+    the vector code's four-row loops; csrc/cpu/decode_bf16_dot.inc) unless the CPU runs 512-bit
+    operations as two halves (build_info's cpu_avx512_double_pumped), AMX tiles in the amx variant
     for 8 to 32 rows (decode_bf16_amx.inc). Both round P to bf16 and count subnormal inputs as
     zero; the vector code does neither."""
     if CUDA_EMULATION:
         return False
     if cpu_variant == "avx512bf16":
-        return rows >= 2 and rows != 4 and dk > 0 and dk % 8 == 0 and dv % 32 == 0
+        four_on_pairs = attention_ext.build_info()["cpu_avx512_double_pumped"] == "1"
+        return rows >= 2 and (rows != 4 or four_on_pairs) and dk > 0 and dk % 8 == 0 and dv % 32 == 0
     if cpu_variant == "amx" and amx_tiles():
         return 8 <= rows <= 32 and dk > 0 and dk % 32 == 0 and dv % 32 == 0
     return False

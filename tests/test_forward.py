@@ -222,6 +222,19 @@ def test_build_info_reports_the_active_variants_vector_width(cpu_variant):
 
 
 @pytest.mark.cpu_kernels
+def test_build_info_says_whether_avx512_runs_as_two_256_bit_halves():
+    # AMD's family 25 cores with AVX-512 (Zen 4) run 512-bit operations as two halves, and bf16
+    # decode with four rows per K/V head takes dot products there (decode_bf16_dot.inc); read
+    # from CPUID, so /proc/cpuinfo's family and flags say the same.
+    info = cpuinfo()
+    if "vendor_id" not in info:
+        pytest.skip("no /proc/cpuinfo vendor to compare with")
+    split = (info["vendor_id"] == "AuthenticAMD" and info.get("cpu family") == "25"
+             and "avx512f" in info.get("flags", "").split())
+    assert attention_ext.build_info()["cpu_avx512_double_pumped"] == ("1" if split else "0")
+
+
+@pytest.mark.cpu_kernels
 def test_amx_is_supported_exactly_where_the_cpu_has_amx_bf16():
     # The variant needs AMX-TILE and AMX-BF16 (and the kernel's grant of the tile state, which a
     # Linux with AMX support gives): a CPU listing both flags gets it, one without never does.

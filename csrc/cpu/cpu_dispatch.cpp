@@ -4,8 +4,10 @@
 
 #include <ATen/Parallel.h>
 
-#if defined(ATTN_AMX_COMPILED)
+#if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
+#endif
+#if defined(ATTN_AMX_COMPILED)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -220,6 +222,25 @@ const char* amx_tile_state() {
 #else
 bool amx_tile_state_granted() { return false; }
 const char* amx_tile_state() { return "not compiled"; }
+#endif
+
+#if defined(__x86_64__) || defined(_M_X64)
+// AMD family 25 (19h) is Zen 3 and Zen 4, and of those only Zen 4 has AVX-512, which it executes
+// in two 256-bit halves: a 512-bit FMA issues at one per cycle per pipe pair, half Zen 5's rate.
+// Other cores are taken to be full width until measured. From CPUID, never a timing.
+bool avx512_double_pumped() {
+  static const bool split = [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_is("amd") || !__builtin_cpu_supports("avx512f")) return false;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+    const unsigned base = (eax >> 8) & 0xF, extended = (eax >> 20) & 0xFF;
+    return (base == 0xF ? base + extended : base) == 25;
+  }();
+  return split;
+}
+#else
+bool avx512_double_pumped() { return false; }
 #endif
 
 double fma_peak_gflops(int64_t iterations) { return probe_gflops(active_kernels().fma_probe, iterations); }

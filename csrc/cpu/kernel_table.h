@@ -163,6 +163,11 @@ ATTN_DECLARE_VARIANT_STAGES(amx)
 // variant's code. The answer never changes within a process, so every pass of every call takes
 // the same side. False where the amx variant is not compiled.
 bool amx_tile_state_granted();
+// Whether this CPU runs 512-bit vector operations as two 256-bit halves (AMD Zen 4; cpu_dispatch.cpp
+// says how it is told): there the fp32 multiply-adds cost twice what they cost on a full-width core
+// relative to memory, and kernels that can trade them for bf16 dot products do (decode_bf16_dot.inc).
+// Fixed for the process, like the variant; build_info() reports it.
+bool avx512_double_pumped();
 // "granted", "refused", or "not requested" (none of the amx variant's tile kernels has run yet).
 const char* amx_tile_state();
 
