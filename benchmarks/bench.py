@@ -27,6 +27,11 @@ import torch.nn.functional as F
 import attention_ext
 
 MIB = 1024.0 * 1024.0
+# ATTENTION_EXT_BENCH_SMOKE=1: a smoke run of a benchmark script (what the test suite sets when it runs
+# them end to end): the FMA and tile probes run a twentieth of their iterations, two reps each. Their
+# figures then agree with full probes to within a per cent or so on a quiet machine, but the point is
+# the harness: under the sanitizer build the full probes took a minute per script.
+SMOKE = os.environ.get("ATTENTION_EXT_BENCH_SMOKE", "0") == "1"
 MEMCHECK_TARGET_MIB = 256.0
 
 # (B, H, n, m, d, causal, label)
@@ -231,9 +236,11 @@ def run_sweep(lengths, modes, dtype, reps, warmup, min_sample_s):
 def measure_fma_peak(reps=5, iterations=20_000_000):
     """The CPU's float32 FMA peak in GFLOP/s on every torch thread at once (best of reps): the
     active kernel variant's widest vectors in independent FMA chains (csrc/cpu/fma_probe.inc)."""
+    if SMOKE:
+        reps, iterations = min(reps, 2), iterations // 20
     runs = [torch.ops.attention_ext.cpu_fma_peak_gflops(iterations) for _ in range(reps)]
     res = {"gflops": max(runs), "gflops_runs": runs, "threads": torch.get_num_threads(),
-           "variant": attention_ext.cpu_variant()}
+           "variant": attention_ext.cpu_variant(), "iterations": iterations}
     # The kernels' own tile GEMM on cache-resident tiles (csrc/cpu/fma_probe.inc): the ceiling of their
     # GEMMs on this machine, so a table shows how much of the distance to the FMA peak is the GEMM's.
     if hasattr(torch.ops.attention_ext, "cpu_tile_gemm_gflops"):
@@ -453,7 +460,8 @@ def render_markdown(res):
                  f"{len(fma['gflops_runs'])}"
                  + (f"; measured at the start ({fma['start_gflops']:.1f}) and at the end ({fma['end_gflops']:.1f}) "
                     "of the run, the higher one is used" if "start_gflops" in fma else "")
-                 + "); `% peak` columns are against it")
+                 + "); `% peak` columns are against it"
+                 + ("; **smoke run** (ATTENTION_EXT_BENCH_SMOKE=1: shortened probes)" if SMOKE else ""))
         if "tile_gemm_gflops" in fma:
             L.append(f"- **tile-GEMM ceiling: {fma['tile_gemm_gflops']:.1f} GFLOP/s = "
                      f"{100 * fma['tile_gemm_gflops'] / fma['gflops']:.0f}% of the FMA peak**: the kernels' own "
