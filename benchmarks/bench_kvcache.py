@@ -5,7 +5,9 @@ Run as `python benchmarks/bench_kvcache.py [--lengths 2048,8192,32768] [--dtypes
 from a checkout with an in-place build (or anywhere with an installed attention_ext). Decode is
 bound by reading K and V once, so every row reports GB/s of K/V read per call against the
 machine's streaming read bandwidth measured in the same run (bench.measure_bandwidth: a 512 MiB
-tensor read once). Per (dtype, cached tokens, batch·kv_heads, query rows) it times, interleaved:
+tensor read once, at the start and at the end, the larger used), and against a read of 512 MiB timed
+between its calls ("read beside": the machine's rate at the same moments, which on a VM can move by a
+quarter within minutes; with --read-beside). Per (dtype, cached tokens, batch·kv_heads, query rows) it times, interleaved:
   * ours contiguous: flash_attn_with_kvcache on a (batch, tokens, kv_heads, d) cache;
   * ours contiguous, VARIANT (with --also-variant VARIANT): the same call on another CPU kernel
     variant's code (e.g. avx512, whose bf16 decode converts to fp32, beside avx512bf16's dot products);
@@ -25,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -65,7 +69,31 @@ def under_variant(variant, fn):
     return step
 
 
-def run_config(dtype, tokens, batch, kv_heads, heads_per_kv, rows, reps, warmup, also_variant=None):
+class ReadBeside:
+    """The machine's streaming read measured between the candidates' calls, one read per round of
+    time_interleaved: the extension's probe (8 parts per thread side by side) over a 512 MiB tensor,
+    or, without that op, torch's sum over it. The bandwidth of a VM can move by a quarter within
+    minutes; the read beside a call's timings sets its GB/s against the machine's rate of the same
+    moments, where the run's start and end measurements may fall in another phase."""
+
+    def __init__(self, mib=512):
+        self.x = torch.ones(int(mib * bench.MIB) // 4)
+        self.probe = getattr(torch.ops.attention_ext, "cpu_stream_read_gbps", None)
+        self.rates = []
+
+    def __call__(self):
+        if self.probe is not None:
+            self.rates.append(self.probe(self.x))
+            return
+        t0 = time.perf_counter()
+        self.x.sum()
+        self.rates.append(self.x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+
+    def median(self, since):
+        return statistics.median(self.rates[since:])
+
+
+def run_config(dtype, tokens, batch, kv_heads, heads_per_kv, rows, reps, warmup, also_variant=None, read=None):
     g = torch.Generator().manual_seed(0)
     heads = kv_heads * heads_per_kv
     q = torch.randn(batch, rows, heads, D, generator=g).to(dtype)
@@ -91,11 +119,17 @@ def run_config(dtype, tokens, batch, kv_heads, heads_per_kv, rows, reps, warmup,
                 fn()
         return step
 
-    med = time_interleaved({name: no_grad(fn) for name, fn in steps.items()}, reps, warmup)
+    timed = {name: no_grad(fn) for name, fn in steps.items()}
+    since = len(read.rates) + warmup if read is not None else 0
+    if read is not None:
+        timed["read beside"] = read
+    med = time_interleaved(timed, reps, warmup)
+    read_gbps = read.median(since) if read is not None else None
+    med.pop("read beside", None)
     # torch gets no causal rule (its is_causal is top-left, not the cache's bottom-right): it reads
     # every cached key, as ours does (bottom-right causal hides only the last rows' few newest keys).
     kv_bytes = 2 * batch * kv_heads * tokens * D * torch.tensor([], dtype=dtype).element_size()
-    return {name: {"ms": t * 1e3, "gbps": kv_bytes / t / 1e9} for name, t in med.items()}, kv_bytes
+    return {name: {"ms": t * 1e3, "gbps": kv_bytes / t / 1e9} for name, t in med.items()}, kv_bytes, read_gbps
 
 
 def run_append(dtype, tokens, batch, kv_heads, heads_per_kv, reps, warmup):
@@ -129,25 +163,35 @@ def run_append(dtype, tokens, batch, kv_heads, heads_per_kv, reps, warmup):
 
 def render(meta, rows, append_rows):
     bw, group = meta["bandwidth_gbps"], meta.get("heads_per_kv", 4)
+    beside_cols = any(r.get("read_beside_gbps") for r in rows)
     method = meta.get("bandwidth_method", "torch's sum")
     lines = [f"# Decode against a KV cache, {meta['cpu']}", "",
              f"torch {meta['torch']}, {meta['threads']} threads, kernel variant {meta['variant']}; measured streaming "
              f"read bandwidth {bw:.1f} GB/s ({method} over 512 MiB; "
              f"same run: {meta['bandwidth_start_end'][0]:.1f} before the timings, "
-             f"{meta['bandwidth_start_end'][1]:.1f} after; the larger is used). Heads = {group} x kv_heads "
+             f"{meta['bandwidth_start_end'][1]:.1f} after; the larger is used"
+             + ("; `% of the read beside` sets each GB/s against a read of 512 MiB by the extension's probe timed "
+                "between the calls of the same row, median of its reps, so every call starts with K/V out of the "
+                "caches and their pages out of the TLB, as in a model whose other layers run between two calls"
+                if beside_cols else "")
+             + f"). Heads = {group} x kv_heads "
              f"({'GQA' if group > 1 else 'one query head per KV head'}), head dim {D}, causal. GB/s = K and V bytes "
              f"read per call / time. Caches allocated "
              f"{'with' if meta.get('thp_mem_alloc') else 'without'} torch's THP_MEM_ALLOC_ENABLE=1 (transparent huge "
              f"pages).", "",
              f"Command: `{meta['command']}`", "",
              "| dtype | tokens | batch x kv_heads | q rows | K/V MiB | candidate | ms | GB/s | % of bandwidth | "
-             "time / ours contiguous |", "|---|---|---|---|---|---|---|---|---|---|"]
+             + ("read beside GB/s | % of the read beside | " if beside_cols else "") + "time / ours contiguous |",
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if beside_cols else "")]
     for r in rows:
         base = r["results"]["ours contiguous"]["ms"]
+        beside = r.get("read_beside_gbps")
         for name, res in r["results"].items():
             lines.append(f"| {r['dtype']} | {r['tokens']} | {r['batch']} x {r['kv_heads']} | {r['rows']} | "
                          f"{r['kv_bytes'] / 2**20:.0f} | {name} | {res['ms']:.3f} | {res['gbps']:.1f} | "
-                         f"{100 * res['gbps'] / bw:.0f}% | {res['ms'] / base:.2f} |")
+                         f"{100 * res['gbps'] / bw:.0f}% | "
+                         + (f"{beside:.1f} | {100 * res['gbps'] / beside:.0f}% | " if beside_cols else "")
+                         + f"{res['ms'] / base:.2f} |")
     if append_rows:
         lines += ["", "## Appending one token per entry, in place", "",
                   "| dtype | tokens | batch x kv_heads | attend ms | append + attend ms | extra ms | write only ms | "
@@ -174,6 +218,10 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--also-variant", default=None,
                     help="also time the contiguous call on this CPU kernel variant (e.g. avx512 beside avx512bf16)")
+    ap.add_argument("--read-beside", action="store_true",
+                    help="also read 512 MiB between the calls (the read probe, timed): each row's GB/s is then also "
+                         "set against the machine's read rate of the same moments, and every call starts with K/V "
+                         "out of the caches and the TLB (a model's other layers between two calls do the same)")
     ap.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     a = ap.parse_args(argv)
     cache_dtypes = {**bench.DTYPES, "float16": torch.float16}  # (fp16 caches are common in serving)
@@ -193,18 +241,21 @@ def main(argv=None):
             " ".join(argv if argv is not None else sys.argv[1:])}
     print(f"{meta['cpu']}: streaming read {bw_start:.1f} GB/s on {meta['threads']} threads", flush=True)
     rows, append_rows = [], []
+    read = ReadBeside() if a.read_beside else None
     for dtype_name in a.dtypes.split(","):
         dtype = cache_dtypes[dtype_name]
         for tokens in (int(t) for t in a.lengths.split(",")):
             for spec in a.batches.split(","):
                 batch, kv_heads = (int(x) for x in spec.split("x"))
                 for nrows in (int(r) for r in a.rows.split(",")):
-                    results, kv_bytes = run_config(dtype, tokens, batch, kv_heads, a.heads_per_kv, nrows, a.reps,
-                                                     a.warmup, a.also_variant)
+                    results, kv_bytes, beside = run_config(dtype, tokens, batch, kv_heads, a.heads_per_kv, nrows,
+                                                             a.reps, a.warmup, a.also_variant, read)
                     rows.append({"dtype": dtype_name, "tokens": tokens, "batch": batch, "kv_heads": kv_heads,
-                                 "rows": nrows, "kv_bytes": kv_bytes, "results": results})
+                                 "rows": nrows, "kv_bytes": kv_bytes, "results": results,
+                                 "read_beside_gbps": beside})
                     print(f"{dtype_name} {tokens:6d} {batch}x{kv_heads} rows {nrows}: " + ", ".join(
-                        f"{name} {res['gbps']:.1f} GB/s" for name, res in results.items()), flush=True)
+                        f"{name} {res['gbps']:.1f} GB/s" for name, res in results.items())
+                        + (f"; read beside {beside:.1f} GB/s" if beside else ""), flush=True)
                 append_rows.append({"dtype": dtype_name, "tokens": tokens, "batch": batch, "kv_heads": kv_heads,
                                     "ms": run_append(dtype, tokens, batch, kv_heads, a.heads_per_kv, a.reps,
                                                       a.warmup)})

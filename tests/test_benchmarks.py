@@ -217,6 +217,16 @@ def test_kvcache_benchmark_times_every_layout_the_append_and_the_rotary(tmp_path
     assert set(result["append_rows"][0]["ms"]) == {"attend", "append + attend", "write only", "append + rotary + attend"}
     text = (tmp_path / "kv.md").read_text()
     assert "% of bandwidth" in text and "Heads = 2 x kv_heads (GQA)" in text and result["meta"]["heads_per_kv"] == 2
+    assert row["read_beside_gbps"] is None and "read beside" not in text  # (only with --read-beside)
+    # --read-beside: each row also against the machine's read timed between its calls
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kvcache.py"), "--lengths", "256",
+                           "--batches", "1x2", "--rows", "1", "--dtypes", "float32", "--reps", "2", "--warmup", "1",
+                           "--read-beside", "--out", str(tmp_path / "beside")],
+                          capture_output=True, text=True, timeout=600, env=env_importing_this_attention_ext())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "beside.json").read_text())["rows"]
+    text = (tmp_path / "beside.md").read_text()
+    assert row["read_beside_gbps"] > 0 and "| % of the read beside |" in text and "out of the caches" in text
 
 
 @pytest.mark.slow_on_emulation
