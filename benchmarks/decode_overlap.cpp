@@ -31,6 +31,14 @@
 // caches in the same run (each thread's as 8 parts side by side, as the extension's probe);
 // overlap = (work + memory − together) / min(work, memory): 1 when the shorter part hides under
 // the longer, 0 when they add up.
+// Where the CPU has AVX512-BF16, a second table does the same for a bf16 cache of the same shape
+// (half the bytes) with the avx512bf16 variant's decode loops (decode_bf16_dot.inc) in the kernel's
+// order with its next chunk/head asks:
+//   scores: the four rows' pairs interleaved by four lanes against each key's four pairs broadcast
+//           (vdpbf16ps), sixteen keys at a time (keys_block<16>);
+//   values: each chunk's V rows interleaved into pairs of consecutive keys (store_interleaved_pairs),
+//           then per tile P rounded to bf16 pairs and O (4 rows x 64) += P V, a pair of keys per
+//           step (gemm_bf16_block<4, 4>); 256 bytes of K and V per (key, K/V head).
 
 #include <cstdio>
 
@@ -48,6 +56,7 @@ int main() {
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -294,6 +303,212 @@ float release_all(std::vector<Decoder>& decoders) {
   return total;
 }
 
+#if defined(__AVX512BF16__)
+// One thread's bf16 cache and decode state (the avx512bf16 variant's loops; values not meaningful).
+struct DecoderBf16 {
+  static constexpr long kTokenElems = kHeads * kDim;  // one token's row of every head: 1 KiB
+  long tokens = 0;
+  uint16_t* key = nullptr;
+  uint16_t* value = nullptr;
+  alignas(64) uint32_t q4[kHeads][kDim / 8 * 16];  // step j: lane 4r + t = row r's pair 4j + t
+  alignas(64) float scores[kHeads][kRows][kTile];
+  alignas(64) uint32_t p_pairs[kHeads][kRows][kTile / 2];
+  alignas(64) uint32_t v_pairs[kHeads][kTile / 2][kDim];
+  alignas(64) float out[kHeads][kRows][kDim];
+  float touched = 0;
+
+  void allocate(long count) {
+    tokens = count;
+    const size_t bytes = tokens * kTokenElems * sizeof(uint16_t);
+    constexpr size_t kAlign = size_t{1} << 21;
+    const size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+    key = static_cast<uint16_t*>(aligned_alloc(kAlign, rounded));
+    value = static_cast<uint16_t*>(aligned_alloc(kAlign, rounded));
+    if (key == nullptr || value == nullptr) {
+      std::fprintf(stderr, "decode_overlap: could not allocate 2 x %zu bytes\n", rounded);
+      std::exit(1);
+    }
+    for (size_t i = 0; i < bytes / sizeof(uint16_t); ++i) {  // small bf16 values (first touch here)
+      key[i] = static_cast<uint16_t>(0x3a00 + i % 7);
+      value[i] = static_cast<uint16_t>(0x3a00 + i % 5);
+    }
+    for (long h = 0; h < kHeads; ++h)
+      for (long i = 0; i < kDim / 8 * 16; ++i) q4[h][i] = 0x3c003c00u + static_cast<uint32_t>(i % 11);
+    memset(out, 0, sizeof out);
+  }
+  void release() {
+    free(key);
+    free(value);
+  }
+  // scores of sixteen keys of head h (rows ld elements apart) for its four rows
+  void sixteen_keys(long h, const uint16_t* keys, long ld, float* s) {
+    __m512 acc[16];
+    for (int c = 0; c < 16; ++c) acc[c] = _mm512_setzero_ps();
+    for (long j = 0; j < kDim / 8; ++j) {
+      const __m512bh q = (__m512bh)_mm512_load_si512(q4[h] + 16 * j);
+      for (int c = 0; c < 16; ++c)
+        acc[c] = _mm512_dpbf16_ps(
+            acc[c], q,
+            (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + c * ld + 8 * j))));
+    }
+    for (int c = 0; c < 16; c += 4)
+      Decoder::store_rows(Decoder::sum_four_keys(acc[c], acc[c + 1], acc[c + 2], acc[c + 3]), s + c);
+  }
+  // head h's V rows of a chunk (ld elements apart) as pairs of consecutive keys at pair row c0 / 2
+  void gather_pairs(long h, const uint16_t* rows, long ld, long c0) {
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                            38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    for (long t = 0; t < kChunk / 2; ++t)
+      for (long x = 0; x < kDim; x += 32) {
+        const __m512i a = _mm512_loadu_si512(rows + 2 * t * ld + x), b = _mm512_loadu_si512(rows + (2 * t + 1) * ld + x);
+        uint32_t* o = v_pairs[h][c0 / 2 + t] + x;
+        _mm512_store_si512(o, _mm512_permutex2var_epi16(a, lo_idx, b));
+        _mm512_store_si512(o + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+      }
+  }
+  // head h's tile: P rounded to bf16 pairs, then O (4 rows x 64, in registers) += P V a pair at a time
+  void tile_values(long h) {
+    for (long r = 0; r < kRows; ++r)
+      for (long c = 0; c < kTile; c += 32)
+        _mm512_store_si512(p_pairs[h][r] + c / 2,
+                           (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(scores[h][r] + c + 16),
+                                                        _mm512_load_ps(scores[h][r] + c)));
+    __m512 acc[kRows][4];
+    for (long r = 0; r < kRows; ++r)
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_load_ps(out[h][r] + 16 * v);
+    for (long t = 0; t < kTile / 2; ++t) {
+      const __m512bh x0 = (__m512bh)_mm512_load_si512(v_pairs[h][t]), x1 = (__m512bh)_mm512_load_si512(v_pairs[h][t] + 16),
+                     x2 = (__m512bh)_mm512_load_si512(v_pairs[h][t] + 32), x3 = (__m512bh)_mm512_load_si512(v_pairs[h][t] + 48);
+      for (long r = 0; r < kRows; ++r) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(p_pairs[h][r][t]));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w, x0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w, x1);
+        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w, x2);
+        acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w, x3);
+      }
+    }
+    for (long r = 0; r < kRows; ++r)
+      for (int v = 0; v < 4; ++v) _mm512_store_ps(out[h][r] + 16 * v, acc[r][v]);
+  }
+  // head h's rows of tokens [t, t + kChunk) into L2 (the kernel's NextChunk)
+  void fetch_head(const uint16_t* base, long h, long t) const {
+    for (long r = t; r < std::min(t + kChunk, tokens); ++r)
+      for (long b = 0; b < kDim; b += 32)
+        _mm_prefetch(reinterpret_cast<const char*>(base + r * kTokenElems + h * kDim + b), _MM_HINT_T2);
+  }
+  void touch(const uint16_t* base, long h, long t) {
+    uint32_t a = 0;
+    for (long r = t; r < t + kChunk; ++r)
+      for (long b = 0; b < kDim; b += 32) a += base[r * kTokenElems + h * kDim + b];
+    touched += static_cast<float>(a);
+  }
+  // One pass in the kernel's order with its next chunk/head asks; work = false: one load per line.
+  void pass(bool work) {
+    for (long t0 = 0; t0 < tokens; t0 += kTile) {
+      for (long c = 0; c < kTile; c += kChunk)
+        for (long h = 0; h < kHeads; ++h) {
+          fetch_head(key, h, t0 + c + kChunk);
+          if (work)
+            sixteen_keys(h, key + (t0 + c) * kTokenElems + h * kDim, kTokenElems, &scores[h][0][c]);
+          else
+            touch(key, h, t0 + c);
+        }
+      for (long h = 0; h < kHeads; ++h)  // (the softmax's place)
+        for (long r = 0; r < kRows; ++r)
+          for (long c = 0; c < kTile; ++c) scores[h][r][c] *= 0.999f;
+      for (long c = 0; c < kTile; c += kChunk)
+        for (long h = 0; h < kHeads; ++h) {
+          fetch_head(value, h, t0 + c + kChunk);
+          if (work)
+            gather_pairs(h, value + (t0 + c) * kTokenElems + h * kDim, kTokenElems, c);
+          else
+            touch(value, h, t0 + c);
+        }
+      if (work)
+        for (long h = 0; h < kHeads; ++h) tile_values(h);
+    }
+  }
+  void stream() {  // K then V as 8 parts side by side (as Decoder::stream)
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    const long part = tokens * kTokenElems / 8;
+    for (const uint16_t* x : {key, value})
+      for (long i = 0; i < part; i += 128)
+        for (long k = 0; k < 8; ++k) {
+          const uint16_t* p = x + k * part + i;
+          a = _mm512_add_epi32(a, _mm512_add_epi32(_mm512_load_si512(p), _mm512_load_si512(p + 32)));
+          b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_load_si512(p + 64), _mm512_load_si512(p + 96)));
+        }
+    touched += static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(a, b)));
+  }
+  float result() const { return out[0][0][0] + out[kHeads - 1][kRows - 1][kDim - 1] + touched; }
+};
+
+template <typename D, typename F>
+double best_seconds_of(std::vector<D>& decoders, int passes, F&& f, int reps = 5) {
+  double best = 1e30;
+  for (int rep = 0; rep < reps; ++rep) {
+    double elapsed = 0;
+#pragma omp parallel num_threads(static_cast<int>(decoders.size()))
+    {
+      D& d = decoders[omp_get_thread_num()];
+#pragma omp barrier
+      const double start = seconds();
+      for (int i = 0; i < passes; ++i) f(d);
+#pragma omp barrier
+#pragma omp master
+      elapsed = seconds() - start;
+    }
+    best = std::min(best, elapsed);
+  }
+  return best;
+}
+
+// The bf16 table: work alone (a 64-token cache), memory alone, together, against a plain read.
+float bf16_table(int threads, long tokens) {
+  std::vector<DecoderBf16> decoders(threads);
+  const double pairs = static_cast<double>(tokens) * kHeads;
+  const double bytes = 2.0 * tokens * DecoderBf16::kTokenElems * sizeof(uint16_t) * threads;
+  float total = 0;
+  auto allocate = [&](long count) {
+#pragma omp parallel num_threads(threads)
+    decoders[omp_get_thread_num()].allocate(count);
+  };
+  auto release = [&] {
+    for (DecoderBf16& d : decoders) {
+      total += d.result();
+      d.release();
+    }
+  };
+  auto read = [&] {
+    std::vector<double> rates;
+    for (int rep = 0; rep < 7; ++rep)
+      rates.push_back(bytes / best_seconds_of(decoders, 1, [](DecoderBf16& d) { d.stream(); }, 1) / 1e9);
+    std::sort(rates.begin(), rates.end());
+    return rates[3];
+  };
+  allocate(kTile);
+  const double work = best_seconds_of(decoders, 512, [](DecoderBf16& d) { d.pass(true); }) / 512 /
+                      (static_cast<double>(kTile) * kHeads) * 1e9;
+  release();
+  allocate(tokens);
+  const double read_before = read();
+  const double memory = best_seconds_of(decoders, 1, [](DecoderBf16& d) { d.pass(false); }) / pairs * 1e9;
+  const double together = best_seconds_of(decoders, 1, [](DecoderBf16& d) { d.pass(true); }) / pairs * 1e9;
+  const double read_after = read(), best_read = std::max(read_before, read_after);
+  release();
+  const double gbps = bytes / (together * pairs * 1e-9) / 1e9;
+  std::printf("\nbf16 K and V of the same shape (%.1f MiB each per thread), the avx512bf16 decode loops; a plain\n"
+              "read: %.1f GB/s before, %.1f after (the larger used). ns per (key, K/V head) per thread:\n",
+              tokens * DecoderBf16::kTokenElems * 2.0 / (1 << 20), read_before, read_after);
+  std::printf("%-24s %-7s %-7s %-9s %-7s %-10s %-7s\n", "order", "work", "memory", "together", "GB/s", "% of read",
+              "overlap");
+  std::printf("%-24s %-7.2f %-7.2f %-9.2f %-7.1f %-10.0f %-7.2f\n", "bf16, next chunk/head", work, memory, together,
+              gbps, 100.0 * gbps / best_read, (work + memory - together) / std::min(work, memory));
+  return total;
+}
+#endif  // __AVX512BF16__
+
 struct Variant {
   const char* name;
   Order order;
@@ -363,5 +578,10 @@ int main(int argc, char** argv) {
     std::printf("%-24s %-7.2f %-7.2f %-9.2f %-7.1f %-10.0f %-7.2f\n", variants[i].name, work_ns[i], row_memory[i],
                 row_together[i], gbps, 100.0 * gbps / read, overlap);
   }
+#if defined(__AVX512BF16__)
+  sink = sink + bf16_table(threads, tokens);
+#else
+  std::printf("\n(no AVX512-BF16 here: no bf16 table)\n");
+#endif
 }
 #endif  // __AVX512F__
