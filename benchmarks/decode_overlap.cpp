@@ -76,6 +76,20 @@ double seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// `bytes` 2 MiB aligned (a huge page's), the size rounded up to a multiple of it as aligned_alloc
+// asks; on huge pages if `huge`.
+void* allocate_cache(size_t bytes, bool huge) {
+  constexpr size_t kAlign = size_t{1} << 21;
+  const size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+  void* p = aligned_alloc(kAlign, rounded);
+  if (p == nullptr) {
+    std::fprintf(stderr, "decode_overlap: could not allocate %zu bytes\n", rounded);
+    std::exit(1);
+  }
+  if (huge) madvise(p, rounded, MADV_HUGEPAGE);
+  return p;
+}
+
 enum class Order { kKernel, kSequential };
 enum class Fetch { kNone, kAhead32, kAhead128, kNextChunkByHead };
 
@@ -92,19 +106,8 @@ struct Decoder {
   void allocate(long count, bool huge) {
     tokens = count;
     const size_t bytes = tokens * kTokenFloats * sizeof(float);
-    // 2 MiB aligned (a huge page's), the size a multiple of it as aligned_alloc asks
-    constexpr size_t kAlign = size_t{1} << 21;
-    const size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
-    key = static_cast<float*>(aligned_alloc(kAlign, rounded));
-    value = static_cast<float*>(aligned_alloc(kAlign, rounded));
-    if (key == nullptr || value == nullptr) {
-      std::fprintf(stderr, "decode_overlap: could not allocate 2 x %zu bytes\n", rounded);
-      std::exit(1);
-    }
-    if (huge) {
-      madvise(key, rounded, MADV_HUGEPAGE);
-      madvise(value, rounded, MADV_HUGEPAGE);
-    }
+    key = static_cast<float*>(allocate_cache(bytes, huge));
+    value = static_cast<float*>(allocate_cache(bytes, huge));
     for (size_t i = 0; i < bytes / sizeof(float); ++i) {  // (first touch on the thread that reads it)
       key[i] = 1e-3f * static_cast<float>(i % 7);
       value[i] = 1e-3f * static_cast<float>(i % 5);
@@ -261,14 +264,14 @@ struct Decoder {
 };
 
 // Best of five: seconds for `passes` passes of every thread (all in step, each over its own cache).
-template <typename F>
-double best_seconds(std::vector<Decoder>& decoders, int passes, F&& f, int reps = 5) {
+template <typename D, typename F>
+double best_seconds(std::vector<D>& decoders, int passes, F&& f, int reps = 5) {
   double best = 1e30;
   for (int rep = 0; rep < reps; ++rep) {
     double elapsed = 0;
 #pragma omp parallel num_threads(static_cast<int>(decoders.size()))
     {
-      Decoder& d = decoders[omp_get_thread_num()];
+      D& d = decoders[omp_get_thread_num()];
 #pragma omp barrier
       const double start = seconds();
       for (int i = 0; i < passes; ++i) f(d);
@@ -282,21 +285,24 @@ double best_seconds(std::vector<Decoder>& decoders, int passes, F&& f, int reps 
 }
 
 // Median of seven single passes of every thread: GB/s of a plain read.
-double read_gbps(std::vector<Decoder>& decoders, double bytes) {
+template <typename D>
+double read_gbps(std::vector<D>& decoders, double bytes) {
   std::vector<double> rates;
   for (int rep = 0; rep < 7; ++rep)
-    rates.push_back(bytes / best_seconds(decoders, 1, [](Decoder& d) { d.stream(); }, 1) / 1e9);
+    rates.push_back(bytes / best_seconds(decoders, 1, [](D& d) { d.stream(); }, 1) / 1e9);
   std::sort(rates.begin(), rates.end());
   return rates[3];
 }
 
-void allocate_all(std::vector<Decoder>& decoders, long tokens, bool huge) {
+template <typename D>
+void allocate_all(std::vector<D>& decoders, long tokens, bool huge) {
 #pragma omp parallel num_threads(static_cast<int>(decoders.size()))
   decoders[omp_get_thread_num()].allocate(tokens, huge);
 }
-float release_all(std::vector<Decoder>& decoders) {
+template <typename D>
+float release_all(std::vector<D>& decoders) {
   float total = 0;
-  for (Decoder& d : decoders) {
+  for (D& d : decoders) {
     total += d.result();
     d.release();
   }
@@ -317,17 +323,11 @@ struct DecoderBf16 {
   alignas(64) float out[kHeads][kRows][kDim];
   float touched = 0;
 
-  void allocate(long count) {
+  void allocate(long count, bool huge) {
     tokens = count;
     const size_t bytes = tokens * kTokenElems * sizeof(uint16_t);
-    constexpr size_t kAlign = size_t{1} << 21;
-    const size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
-    key = static_cast<uint16_t*>(aligned_alloc(kAlign, rounded));
-    value = static_cast<uint16_t*>(aligned_alloc(kAlign, rounded));
-    if (key == nullptr || value == nullptr) {
-      std::fprintf(stderr, "decode_overlap: could not allocate 2 x %zu bytes\n", rounded);
-      std::exit(1);
-    }
+    key = static_cast<uint16_t*>(allocate_cache(bytes, huge));
+    value = static_cast<uint16_t*>(allocate_cache(bytes, huge));
     for (size_t i = 0; i < bytes / sizeof(uint16_t); ++i) {  // small bf16 values (first touch here)
       key[i] = static_cast<uint16_t>(0x3a00 + i % 7);
       value[i] = static_cast<uint16_t>(0x3a00 + i % 5);
@@ -444,59 +444,21 @@ struct DecoderBf16 {
   float result() const { return out[0][0][0] + out[kHeads - 1][kRows - 1][kDim - 1] + touched; }
 };
 
-template <typename D, typename F>
-double best_seconds_of(std::vector<D>& decoders, int passes, F&& f, int reps = 5) {
-  double best = 1e30;
-  for (int rep = 0; rep < reps; ++rep) {
-    double elapsed = 0;
-#pragma omp parallel num_threads(static_cast<int>(decoders.size()))
-    {
-      D& d = decoders[omp_get_thread_num()];
-#pragma omp barrier
-      const double start = seconds();
-      for (int i = 0; i < passes; ++i) f(d);
-#pragma omp barrier
-#pragma omp master
-      elapsed = seconds() - start;
-    }
-    best = std::min(best, elapsed);
-  }
-  return best;
-}
-
 // The bf16 table: work alone (a 64-token cache), memory alone, together, against a plain read.
 float bf16_table(int threads, long tokens) {
   std::vector<DecoderBf16> decoders(threads);
   const double pairs = static_cast<double>(tokens) * kHeads;
   const double bytes = 2.0 * tokens * DecoderBf16::kTokenElems * sizeof(uint16_t) * threads;
-  float total = 0;
-  auto allocate = [&](long count) {
-#pragma omp parallel num_threads(threads)
-    decoders[omp_get_thread_num()].allocate(count);
-  };
-  auto release = [&] {
-    for (DecoderBf16& d : decoders) {
-      total += d.result();
-      d.release();
-    }
-  };
-  auto read = [&] {
-    std::vector<double> rates;
-    for (int rep = 0; rep < 7; ++rep)
-      rates.push_back(bytes / best_seconds_of(decoders, 1, [](DecoderBf16& d) { d.stream(); }, 1) / 1e9);
-    std::sort(rates.begin(), rates.end());
-    return rates[3];
-  };
-  allocate(kTile);
-  const double work = best_seconds_of(decoders, 512, [](DecoderBf16& d) { d.pass(true); }) / 512 /
+  allocate_all(decoders, kTile, false);
+  const double work = best_seconds(decoders, 512, [](DecoderBf16& d) { d.pass(true); }) / 512 /
                       (static_cast<double>(kTile) * kHeads) * 1e9;
-  release();
-  allocate(tokens);
-  const double read_before = read();
-  const double memory = best_seconds_of(decoders, 1, [](DecoderBf16& d) { d.pass(false); }) / pairs * 1e9;
-  const double together = best_seconds_of(decoders, 1, [](DecoderBf16& d) { d.pass(true); }) / pairs * 1e9;
-  const double read_after = read(), best_read = std::max(read_before, read_after);
-  release();
+  float total = release_all(decoders);
+  allocate_all(decoders, tokens, false);
+  const double read_before = read_gbps(decoders, bytes);
+  const double memory = best_seconds(decoders, 1, [](DecoderBf16& d) { d.pass(false); }) / pairs * 1e9;
+  const double together = best_seconds(decoders, 1, [](DecoderBf16& d) { d.pass(true); }) / pairs * 1e9;
+  const double read_after = read_gbps(decoders, bytes), best_read = std::max(read_before, read_after);
+  total += release_all(decoders);
   const double gbps = bytes / (together * pairs * 1e-9) / 1e9;
   std::printf("\nbf16 K and V of the same shape (%.1f MiB each per thread), the avx512bf16 decode loops; a plain\n"
               "read: %.1f GB/s before, %.1f after (the larger used). ns per (key, K/V head) per thread:\n",
