@@ -5,9 +5,10 @@ Run as `python benchmarks/bench_kvcache.py [--lengths 2048,8192,32768] [--dtypes
 from a checkout with an in-place build (or anywhere with an installed attention_ext). Decode is
 bound by reading K and V once, so every row reports GB/s of K/V read per call against the
 machine's streaming read bandwidth measured in the same run (bench.measure_bandwidth: a 512 MiB
-tensor read once, at the start and at the end, the larger used), and against a read of 512 MiB timed
-between its calls ("read beside": the machine's rate at the same moments, which on a VM can move by a
-quarter within minutes; with --read-beside). Per (dtype, cached tokens, batch·kv_heads, query rows) it times, interleaved:
+tensor read once, at the start and at the end, the larger used), and with --read-beside also against
+a read of 512 MiB timed between its calls (the machine's rate at the same moments, which on a VM can
+move by a quarter within minutes). Per (dtype, cached tokens, batch·kv_heads, query rows) it times,
+interleaved:
   * ours contiguous: flash_attn_with_kvcache on a (batch, tokens, kv_heads, d) cache;
   * ours contiguous, VARIANT (with --also-variant VARIANT): the same call on another CPU kernel
     variant's code (e.g. avx512, whose bf16 decode converts to fp32, beside avx512bf16's dot products);
