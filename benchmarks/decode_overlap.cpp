@@ -93,32 +93,81 @@ void* allocate_cache(size_t bytes, bool huge) {
 enum class Order { kKernel, kSequential };
 enum class Fetch { kNone, kAhead32, kAhead128, kNextChunkByHead };
 
-// One thread's cache and decode state.
-struct Decoder {
+// One thread's K and V cache of element type T, (tokens, kHeads, kDim) each, and what the fp32 and
+// bf16 decoders share: the score tile and O rows, the next chunk's asks, one load per line, the
+// plain read.
+template <typename T>
+struct CacheRows {
+  static constexpr long kTokenElems = kHeads * kDim;                   // one token's row of every head
+  static constexpr long kLineElems = 64 / static_cast<long>(sizeof(T));  // elements per cache line
   long tokens = 0;
-  float* key = nullptr;
-  float* value = nullptr;
-  alignas(64) float q4[kHeads][kDim * kRows];        // four rows interleaved by four lanes
+  T* key = nullptr;
+  T* value = nullptr;
   alignas(64) float scores[kHeads][kRows][kTile];
   alignas(64) float out[kHeads][kRows][kDim];
   float touched = 0;
 
-  void allocate(long count, bool huge) {
+  // K and V of `count` tokens, each element set to fill(i) by this thread (the one that reads it),
+  // and O zeroed.
+  template <typename Fill>
+  void allocate_rows(long count, bool huge, Fill&& fill) {
     tokens = count;
-    const size_t bytes = tokens * kTokenFloats * sizeof(float);
-    key = static_cast<float*>(allocate_cache(bytes, huge));
-    value = static_cast<float*>(allocate_cache(bytes, huge));
-    for (size_t i = 0; i < bytes / sizeof(float); ++i) {  // (first touch on the thread that reads it)
-      key[i] = 1e-3f * static_cast<float>(i % 7);
-      value[i] = 1e-3f * static_cast<float>(i % 5);
+    const size_t elems = tokens * kTokenElems;
+    key = static_cast<T*>(allocate_cache(elems * sizeof(T), huge));
+    value = static_cast<T*>(allocate_cache(elems * sizeof(T), huge));
+    for (size_t i = 0; i < elems; ++i) {
+      key[i] = fill(i, 7);
+      value[i] = fill(i, 5);
     }
-    for (long h = 0; h < kHeads; ++h)
-      for (long i = 0; i < kDim * kRows; ++i) q4[h][i] = 1e-2f * static_cast<float>(i % 11);
     memset(out, 0, sizeof out);
   }
   void release() {
     free(key);
     free(value);
+  }
+  // head h's rows of tokens [t, t + kChunk) into L2 (the kernel's NextChunk, one head at a time)
+  void fetch_head(const T* base, long h, long t) const {
+    for (long r = t; r < std::min(t + kChunk, tokens); ++r)
+      for (long b = 0; b < kDim; b += kLineElems)
+        _mm_prefetch(reinterpret_cast<const char*>(base + r * kTokenElems + h * kDim + b), _MM_HINT_T2);
+  }
+  // one load per line of head h's rows of tokens [t, t + count)
+  void touch(const T* base, long h, long t, long count) {
+    float a = 0;
+    for (long r = t; r < t + count; ++r)
+      for (long b = 0; b < kDim; b += kLineElems) a += static_cast<float>(base[r * kTokenElems + h * kDim + b]);
+    touched += a;
+  }
+  void scale_scores() {  // (the softmax's place)
+    for (long h = 0; h < kHeads; ++h)
+      for (long r = 0; r < kRows; ++r)
+        for (long c = 0; c < kTile; ++c) scores[h][r][c] *= 0.999f;
+  }
+  // K then V read as 8 parts side by side, 256 bytes of each in turn (the extension's read probe's
+  // scheme: more streams in flight than one sequential read keeps on some machines).
+  void stream() {
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    const long part = tokens * kTokenElems * static_cast<long>(sizeof(T)) / 8;  // bytes
+    for (const T* x : {key, value})
+      for (long i = 0; i < part; i += 256)
+        for (long k = 0; k < 8; ++k) {
+          const char* p = reinterpret_cast<const char*>(x) + k * part + i;
+          a = _mm512_add_epi32(a, _mm512_add_epi32(_mm512_load_si512(p), _mm512_load_si512(p + 64)));
+          b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_load_si512(p + 128), _mm512_load_si512(p + 192)));
+        }
+    touched += static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(a, b)));
+  }
+  float result() const { return out[0][0][0] + out[kHeads - 1][kRows - 1][kDim - 1] + touched; }
+};
+
+// One thread's fp32 cache and decode state.
+struct Decoder : CacheRows<float> {
+  alignas(64) float q4[kHeads][kDim * kRows];        // four rows interleaved by four lanes
+
+  void allocate(long count, bool huge) {
+    allocate_rows(count, huge, [](size_t i, size_t m) { return 1e-3f * static_cast<float>(i % m); });
+    for (long h = 0; h < kHeads; ++h)
+      for (long i = 0; i < kDim * kRows; ++i) q4[h][i] = 1e-2f * static_cast<float>(i % 11);
   }
 
   static __m512 sum_four_keys(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -189,19 +238,6 @@ struct Decoder {
       for (long b = 0; b < kTokenFloats; b += 16)
         _mm_prefetch(reinterpret_cast<const char*>(base + r * kTokenFloats + b), _MM_HINT_T2);
   }
-  // head h's rows of tokens [t, t + kChunk) into L2 (the kernel's NextChunk, one head at a time)
-  void fetch_head(const float* base, long h, long t) const {
-    for (long r = t; r < std::min(t + kChunk, tokens); ++r)
-      for (long b = 0; b < kDim; b += 16)
-        _mm_prefetch(reinterpret_cast<const char*>(base + r * kTokenFloats + h * kDim + b), _MM_HINT_T2);
-  }
-  // one load per line of head h's rows of tokens [t, t + count)
-  void touch(const float* base, long h, long t, long count) {
-    float a = 0;
-    for (long r = t; r < t + count; ++r)
-      for (long b = 0; b < kDim; b += 16) a += base[r * kTokenFloats + h * kDim + b];
-    touched += a;
-  }
 
   // One pass over the cache in `order`; work = false: one load per line instead of the work.
   void pass(Order order, Fetch fetch_scheme, bool work) {
@@ -230,9 +266,7 @@ struct Decoder {
           for (long i = 0; i < kChunk; i += 2) two_tokens(key + (t + i) * kTokenFloats, c + i);
         }
       }
-      for (long h = 0; h < kHeads; ++h)  // (the softmax's place)
-        for (long r = 0; r < kRows; ++r)
-          for (long c = 0; c < kTile; ++c) scores[h][r][c] *= 0.999f;
+      scale_scores();
       for (long c = 0; c < kTile; c += kChunk) {
         const long t = t0 + c;
         if (burst) fetch(value, t, ahead);
@@ -246,21 +280,6 @@ struct Decoder {
       }
     }
   }
-  // K then V read as 8 parts side by side, 256 bytes of each in turn (the extension's read probe's
-  // scheme: more streams in flight than one sequential read keeps on some machines).
-  void stream() {
-    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-    const long part = tokens * kTokenFloats / 8;
-    for (const float* x : {key, value})
-      for (long i = 0; i < part; i += 64)
-        for (long k = 0; k < 8; ++k) {
-          const float* p = x + k * part + i;
-          a = _mm512_add_ps(a, _mm512_add_ps(_mm512_load_ps(p), _mm512_load_ps(p + 16)));
-          b = _mm512_add_ps(b, _mm512_add_ps(_mm512_load_ps(p + 32), _mm512_load_ps(p + 48)));
-        }
-    touched += _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-  }
-  float result() const { return out[0][0][0] + out[kHeads - 1][kRows - 1][kDim - 1] + touched; }
 };
 
 // Best of five: seconds for `passes` passes of every thread (all in step, each over its own cache).
@@ -311,34 +330,15 @@ float release_all(std::vector<D>& decoders) {
 
 #if defined(__AVX512BF16__)
 // One thread's bf16 cache and decode state (the avx512bf16 variant's loops; values not meaningful).
-struct DecoderBf16 {
-  static constexpr long kTokenElems = kHeads * kDim;  // one token's row of every head: 1 KiB
-  long tokens = 0;
-  uint16_t* key = nullptr;
-  uint16_t* value = nullptr;
+struct DecoderBf16 : CacheRows<uint16_t> {
   alignas(64) uint32_t q4[kHeads][kDim / 8 * 16];  // step j: lane 4r + t = row r's pair 4j + t
-  alignas(64) float scores[kHeads][kRows][kTile];
   alignas(64) uint32_t p_pairs[kHeads][kRows][kTile / 2];
   alignas(64) uint32_t v_pairs[kHeads][kTile / 2][kDim];
-  alignas(64) float out[kHeads][kRows][kDim];
-  float touched = 0;
 
-  void allocate(long count, bool huge) {
-    tokens = count;
-    const size_t bytes = tokens * kTokenElems * sizeof(uint16_t);
-    key = static_cast<uint16_t*>(allocate_cache(bytes, huge));
-    value = static_cast<uint16_t*>(allocate_cache(bytes, huge));
-    for (size_t i = 0; i < bytes / sizeof(uint16_t); ++i) {  // small bf16 values (first touch here)
-      key[i] = static_cast<uint16_t>(0x3a00 + i % 7);
-      value[i] = static_cast<uint16_t>(0x3a00 + i % 5);
-    }
+  void allocate(long count, bool huge) {  // small bf16 values
+    allocate_rows(count, huge, [](size_t i, size_t m) { return static_cast<uint16_t>(0x3a00 + i % m); });
     for (long h = 0; h < kHeads; ++h)
       for (long i = 0; i < kDim / 8 * 16; ++i) q4[h][i] = 0x3c003c00u + static_cast<uint32_t>(i % 11);
-    memset(out, 0, sizeof out);
-  }
-  void release() {
-    free(key);
-    free(value);
   }
   // scores of sixteen keys of head h (rows ld elements apart) for its four rows
   void sixteen_keys(long h, const uint16_t* keys, long ld, float* s) {
@@ -391,18 +391,6 @@ struct DecoderBf16 {
     for (long r = 0; r < kRows; ++r)
       for (int v = 0; v < 4; ++v) _mm512_store_ps(out[h][r] + 16 * v, acc[r][v]);
   }
-  // head h's rows of tokens [t, t + kChunk) into L2 (the kernel's NextChunk)
-  void fetch_head(const uint16_t* base, long h, long t) const {
-    for (long r = t; r < std::min(t + kChunk, tokens); ++r)
-      for (long b = 0; b < kDim; b += 32)
-        _mm_prefetch(reinterpret_cast<const char*>(base + r * kTokenElems + h * kDim + b), _MM_HINT_T2);
-  }
-  void touch(const uint16_t* base, long h, long t) {
-    uint32_t a = 0;
-    for (long r = t; r < t + kChunk; ++r)
-      for (long b = 0; b < kDim; b += 32) a += base[r * kTokenElems + h * kDim + b];
-    touched += static_cast<float>(a);
-  }
   // One pass in the kernel's order with its next chunk/head asks; work = false: one load per line.
   void pass(bool work) {
     for (long t0 = 0; t0 < tokens; t0 += kTile) {
@@ -412,36 +400,21 @@ struct DecoderBf16 {
           if (work)
             sixteen_keys(h, key + (t0 + c) * kTokenElems + h * kDim, kTokenElems, &scores[h][0][c]);
           else
-            touch(key, h, t0 + c);
+            touch(key, h, t0 + c, kChunk);
         }
-      for (long h = 0; h < kHeads; ++h)  // (the softmax's place)
-        for (long r = 0; r < kRows; ++r)
-          for (long c = 0; c < kTile; ++c) scores[h][r][c] *= 0.999f;
+      scale_scores();
       for (long c = 0; c < kTile; c += kChunk)
         for (long h = 0; h < kHeads; ++h) {
           fetch_head(value, h, t0 + c + kChunk);
           if (work)
             gather_pairs(h, value + (t0 + c) * kTokenElems + h * kDim, kTokenElems, c);
           else
-            touch(value, h, t0 + c);
+            touch(value, h, t0 + c, kChunk);
         }
       if (work)
         for (long h = 0; h < kHeads; ++h) tile_values(h);
     }
   }
-  void stream() {  // K then V as 8 parts side by side (as Decoder::stream)
-    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
-    const long part = tokens * kTokenElems / 8;
-    for (const uint16_t* x : {key, value})
-      for (long i = 0; i < part; i += 128)
-        for (long k = 0; k < 8; ++k) {
-          const uint16_t* p = x + k * part + i;
-          a = _mm512_add_epi32(a, _mm512_add_epi32(_mm512_load_si512(p), _mm512_load_si512(p + 32)));
-          b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_load_si512(p + 64), _mm512_load_si512(p + 96)));
-        }
-    touched += static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(a, b)));
-  }
-  float result() const { return out[0][0][0] + out[kHeads - 1][kRows - 1][kDim - 1] + touched; }
 };
 
 // The bf16 table: work alone (a 64-token cache), memory alone, together, against a plain read.
