@@ -6,9 +6,9 @@ from a checkout with an in-place build (or anywhere with an installed attention_
 bound by reading K and V once, so every row reports GB/s of K/V read per call against the
 machine's streaming read bandwidth measured in the same run (bench.measure_bandwidth: a 512 MiB
 tensor read once, at the start and at the end, the larger used), and with --read-beside also against
-a read of 512 MiB timed between its calls (the machine's rate at the same moments, which on a VM can
-move by a quarter within minutes). Per (dtype, cached tokens, batch·kv_heads, query rows) it times,
-interleaved:
+a read of 512 MiB timed before each of its calls (the machine's rate at the same moments, which on a
+VM can move by a quarter within minutes). Per (dtype, cached tokens, batch·kv_heads, query rows) it
+times, interleaved:
   * ours contiguous: flash_attn_with_kvcache on a (batch, tokens, kv_heads, d) cache;
   * ours contiguous, VARIANT (with --also-variant VARIANT): the same call on another CPU kernel
     variant's code (e.g. avx512, whose bf16 decode converts to fp32, beside avx512bf16's dot products);
@@ -71,11 +71,18 @@ def under_variant(variant, fn):
 
 
 class ReadBeside:
-    """The machine's streaming read measured between the candidates' calls, one read per round of
-    time_interleaved: the extension's probe (8 parts per thread side by side) over a 512 MiB tensor,
-    or, without that op, torch's sum over it. The bandwidth of a VM can move by a quarter within
-    minutes; the read beside a call's timings sets its GB/s against the machine's rate of the same
-    moments, where the run's start and end measurements may fall in another phase."""
+    """The machine's streaming read measured before every timed call of the candidates: the
+    extension's probe (8 parts per thread side by side) over a 512 MiB tensor, or, without that op,
+    torch's sum over it. The bandwidth of a VM can move by a quarter within minutes; the read beside
+    a call's timings sets its GB/s against the machine's rate of the same moments, where the run's
+    start and end measurements may fall in another phase. Every call then starts with its K/V out
+    of the caches and their pages out of the TLB. The read also evicts the code and the small data
+    that every call touches (Python's, the dispatcher's, the kernel's): on a Zen 4 a 64-token call
+    took 0.28-0.35 ms right after it against 0.03 otherwise, and a call on a 2048-token cache took
+    0.1-0.25 ms more first after the read than second, whichever cache (contiguous or paged) went
+    first. So after each read one
+    small call of each kind (ours, torch's) runs untimed: what a timed call then pays for is its
+    K/V (and the call's own scratch), as in a model, whose layers run the same code in turn."""
 
     def __init__(self, mib=512):
         self.x = torch.ones(int(mib * bench.MIB) // 4)
@@ -121,16 +128,25 @@ def run_config(dtype, tokens, batch, kv_heads, heads_per_kv, rows, reps, warmup,
         return step
 
     timed = {name: no_grad(fn) for name, fn in steps.items()}
-    since = len(read.rates) + warmup if read is not None else 0
+    before = None
     if read is not None:
-        timed["read beside"] = read
-    med = time_interleaved(timed, reps, warmup)
+        small_k, small_v, _ = make_cache(batch, kv_heads, 64, dtype, None, g)
+        small_lengths = torch.full((batch,), 64, dtype=torch.int32)
+
+        def before():  # the read, then the code and the calls' small data back in the caches
+            read()
+            with torch.no_grad():
+                flash_attn_with_kvcache(q, small_k, small_v, cache_seqlens=small_lengths, causal=True)
+                bench.torch_sdpa_gqa(qt, small_k.transpose(1, 2), small_v.transpose(1, 2))
+    since = len(read.rates) if read is not None else 0
+    med = time_interleaved(timed, reps, warmup, before)
     read_gbps = read.median(since) if read is not None else None
-    med.pop("read beside", None)
+    reads = len(read.rates) - since if read is not None else 0
     # torch gets no causal rule (its is_causal is top-left, not the cache's bottom-right): it reads
     # every cached key, as ours does (bottom-right causal hides only the last rows' few newest keys).
     kv_bytes = 2 * batch * kv_heads * tokens * D * torch.tensor([], dtype=dtype).element_size()
-    return {name: {"ms": t * 1e3, "gbps": kv_bytes / t / 1e9} for name, t in med.items()}, kv_bytes, read_gbps
+    results = {name: {"ms": t * 1e3, "gbps": kv_bytes / t / 1e9} for name, t in med.items()}
+    return results, kv_bytes, (read_gbps, reads)
 
 
 def run_append(dtype, tokens, batch, kv_heads, heads_per_kv, reps, warmup):
@@ -172,8 +188,10 @@ def render(meta, rows, append_rows):
              f"same run: {meta['bandwidth_start_end'][0]:.1f} before the timings, "
              f"{meta['bandwidth_start_end'][1]:.1f} after; the larger is used"
              + ("; `% of the read beside` sets each GB/s against a read of 512 MiB by the extension's probe timed "
-                "between the calls of the same row, median of its reps, so every call starts with K/V out of the "
-                "caches and their pages out of the TLB, as in a model whose other layers run between two calls"
+                "before every call of the same row, median over the row, so every call starts with K/V out of the "
+                "caches and their pages out of the TLB, as in a model whose other layers run between two calls; "
+                "after each read one call of ours and one of torch's on a 64-token cache run untimed, so that the "
+                "code and small data every call touches are back in the caches"
                 if beside_cols else "")
              + f"). Heads = {group} x kv_heads "
              f"({'GQA' if group > 1 else 'one query head per KV head'}), head dim {D}, causal. GB/s = K and V bytes "
@@ -220,9 +238,10 @@ def main(argv=None):
     ap.add_argument("--also-variant", default=None,
                     help="also time the contiguous call on this CPU kernel variant (e.g. avx512 beside avx512bf16)")
     ap.add_argument("--read-beside", action="store_true",
-                    help="also read 512 MiB between the calls (the read probe, timed): each row's GB/s is then also "
-                         "set against the machine's read rate of the same moments, and every call starts with K/V "
-                         "out of the caches and the TLB (a model's other layers between two calls do the same)")
+                    help="also read 512 MiB before every timed call (the read probe, timed; then one small call of "
+                         "each kind, untimed, to bring the code back): each row's GB/s is then also set against the "
+                         "machine's read rate of the same moments, and every call starts with K/V out of the caches "
+                         "and the TLB (a model's other layers between two calls do the same)")
     ap.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     a = ap.parse_args(argv)
     cache_dtypes = {**bench.DTYPES, "float16": torch.float16}  # (fp16 caches are common in serving)
@@ -249,11 +268,11 @@ def main(argv=None):
             for spec in a.batches.split(","):
                 batch, kv_heads = (int(x) for x in spec.split("x"))
                 for nrows in (int(r) for r in a.rows.split(",")):
-                    results, kv_bytes, beside = run_config(dtype, tokens, batch, kv_heads, a.heads_per_kv, nrows,
-                                                             a.reps, a.warmup, a.also_variant, read)
+                    results, kv_bytes, (beside, reads) = run_config(
+                        dtype, tokens, batch, kv_heads, a.heads_per_kv, nrows, a.reps, a.warmup, a.also_variant, read)
                     rows.append({"dtype": dtype_name, "tokens": tokens, "batch": batch, "kv_heads": kv_heads,
                                  "rows": nrows, "kv_bytes": kv_bytes, "results": results,
-                                 "read_beside_gbps": beside})
+                                 "read_beside_gbps": beside, "read_beside_reads": reads})
                     print(f"{dtype_name} {tokens:6d} {batch}x{kv_heads} rows {nrows}: " + ", ".join(
                         f"{name} {res['gbps']:.1f} GB/s" for name, res in results.items())
                         + (f"; read beside {beside:.1f} GB/s" if beside else ""), flush=True)

@@ -46,13 +46,17 @@ def band_mask(n, m, window):
     return visible
 
 
-def time_interleaved(steps, reps, warmup):
+def time_interleaved(steps, reps, warmup, before=None):
+    """Median seconds per step, the steps timed in turn `reps` times after `warmup` untimed calls
+    each; before(), when given, runs (untimed) before every timed call."""
     for step in steps.values():
         for _ in range(warmup):
             step()
     samples = {name: [] for name in steps}
     for _ in range(reps):
         for name, step in steps.items():
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             step()
             samples[name].append(time.perf_counter() - t0)

@@ -218,7 +218,7 @@ def test_kvcache_benchmark_times_every_layout_the_append_and_the_rotary(tmp_path
     text = (tmp_path / "kv.md").read_text()
     assert "% of bandwidth" in text and "Heads = 2 x kv_heads (GQA)" in text and result["meta"]["heads_per_kv"] == 2
     assert row["read_beside_gbps"] is None and "read beside" not in text  # (only with --read-beside)
-    # --read-beside: each row also against the machine's read timed between its calls
+    # --read-beside: each row also against the machine's read timed before each of its calls
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kvcache.py"), "--lengths", "256",
                            "--batches", "1x2", "--rows", "1", "--dtypes", "float32", "--reps", "2", "--warmup", "1",
                            "--read-beside", "--out", str(tmp_path / "beside")],
@@ -227,6 +227,7 @@ def test_kvcache_benchmark_times_every_layout_the_append_and_the_rotary(tmp_path
     (row,) = json.loads((tmp_path / "beside.json").read_text())["rows"]
     text = (tmp_path / "beside.md").read_text()
     assert row["read_beside_gbps"] > 0 and "| % of the read beside |" in text and "out of the caches" in text
+    assert row["read_beside_reads"] == 2 * len(row["results"])  # one read before every timed call
 
 
 @pytest.mark.slow_on_emulation
