@@ -8,7 +8,8 @@ machine's streaming read bandwidth measured in the same run (bench.measure_bandw
 tensor read once, at the start and at the end, the larger used), and with --read-beside also against
 a read of 512 MiB timed before each of its calls (the machine's rate at the same moments, which on a
 VM can move by a quarter within minutes). Per (dtype, cached tokens, batch·kv_heads, query rows) it
-times, interleaved:
+times, interleaved (each round in its own shuffled order: a call right after torch's gather, which
+evicts the caches, runs slower, and in a fixed order that was always the contiguous cache's):
   * ours contiguous: flash_attn_with_kvcache on a (batch, tokens, kv_heads, d) cache;
   * ours contiguous, VARIANT (with --also-variant VARIANT): the same call on another CPU kernel
     variant's code (e.g. avx512, whose bf16 decode converts to fp32, beside avx512bf16's dot products);

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -48,13 +49,19 @@ def band_mask(n, m, window):
 
 def time_interleaved(steps, reps, warmup, before=None):
     """Median seconds per step, the steps timed in turn `reps` times after `warmup` untimed calls
-    each; before(), when given, runs (untimed) before every timed call."""
+    each; before(), when given, runs (untimed) before every timed call. Each round takes the steps in
+    its own order (a shuffle seeded by the round's number, the same in every run), so that no step
+    always follows the same other step: one that evicts the caches (a large gather, say) would
+    otherwise slow only the step after it."""
     for step in steps.values():
         for _ in range(warmup):
             step()
     samples = {name: [] for name in steps}
-    for _ in range(reps):
-        for name, step in steps.items():
+    for r in range(reps):
+        order = list(steps)
+        random.Random(r).shuffle(order)
+        for name in order:
+            step = steps[name]
             if before is not None:
                 before()
             t0 = time.perf_counter()
