@@ -49,7 +49,7 @@ def band_mask(n, m, window):
 
 def time_interleaved(steps, reps, warmup, before=None):
     """Median seconds per step, the steps timed in turn `reps` times after `warmup` untimed calls
-    each; before(), when given, runs (untimed) before every timed call. Each round takes the steps in
+    each; before(step), when given, runs (untimed) before every timed call of step. Each round takes the steps in
     its own order (a shuffle seeded by the round's number, the same in every run), so that no step
     always follows the same other step: one that evicts the caches (a large gather, say) would
     otherwise slow only the step after it."""
@@ -63,7 +63,7 @@ def time_interleaved(steps, reps, warmup, before=None):
         for name in order:
             step = steps[name]
             if before is not None:
-                before()
+                before(step)
             t0 = time.perf_counter()
             step()
             samples[name].append(time.perf_counter() - t0)
