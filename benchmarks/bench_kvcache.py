@@ -82,9 +82,9 @@ class ReadBeside:
     that every call touches (Python's, the dispatcher's, the kernel's): on a Zen 4 a 64-token call
     took 0.28-0.35 ms right after it against 0.03 otherwise, and a call on a 2048-token cache took
     0.1-0.25 ms more first after the read than second, whichever cache (contiguous or paged) went
-    first. So after each read one
-    small call of each kind (ours, torch's) runs untimed: what a timed call then pays for is its
-    K/V (and the call's own scratch), as in a model, whose layers run the same code in turn."""
+    first. So after each read one small call of each kind (ours, torch's) runs untimed: what a timed
+    call then pays for is its K/V (and the call's own scratch), as in a model, whose layers run the
+    same code in turn."""
 
     def __init__(self, mib=512):
         self.x = torch.ones(int(mib * bench.MIB) // 4)

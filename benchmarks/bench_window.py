@@ -49,10 +49,10 @@ def band_mask(n, m, window):
 
 def time_interleaved(steps, reps, warmup, before=None):
     """Median seconds per step, the steps timed in turn `reps` times after `warmup` untimed calls
-    each; before(step), when given, runs (untimed) before every timed call of step. Each round takes the steps in
-    its own order (a shuffle seeded by the round's number, the same in every run), so that no step
-    always follows the same other step: one that evicts the caches (a large gather, say) would
-    otherwise slow only the step after it."""
+    each; before(step), when given, runs (untimed) before every timed call of step. Each round
+    takes the steps in its own order (a shuffle seeded by the round's number, the same in every
+    run), so that no step always follows the same other step: one that evicts the caches (a large
+    gather, say) would otherwise slow only the step after it."""
     for step in steps.values():
         for _ in range(warmup):
             step()
