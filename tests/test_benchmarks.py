@@ -168,6 +168,32 @@ def test_window_benchmark_writes_a_row_per_window_and_mode(tmp_path):
     assert "| 8 | fwd |" in (tmp_path / "window.md").read_text()
 
 
+def test_interleaved_timing_shuffles_each_round_and_runs_before_right_before_each_timed_call():
+    """time_interleaved (bench_window.py; the window, varlen and KV-cache benchmarks time with it):
+    each step timed `reps` times after its warm-up calls, before(step) run right before each timed
+    call of step, and every round in its own order, so that no step always follows the same one (a
+    step that evicts the caches would otherwise slow only the step after it)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from bench_window import time_interleaved
+    finally:
+        sys.path.pop(0)
+    calls = []
+    steps = {name: (lambda name=name: calls.append(("call", name))) for name in "abcde"}
+    medians = time_interleaved(steps, 5, 1, before=lambda step: calls.append(("before", step)))
+    assert set(medians) == set("abcde") and all(t >= 0 for t in medians.values())
+    assert calls[:5] == [("call", name) for name in "abcde"]  # the warm-up, nothing before it
+    timed = calls[5:]
+    assert len(timed) == 2 * 5 * 5
+    for (kind, step), (kind_after, name) in zip(timed[0::2], timed[1::2]):
+        assert (kind, kind_after) == ("before", "call") and step is steps[name]
+    names = [name for _, name in timed[1::2]]
+    rounds = [names[5 * r:5 * r + 5] for r in range(5)]
+    assert all(sorted(order) == list("abcde") for order in rounds)
+    after = {name: {names[i - 1] for i in range(1, len(names)) if names[i] == name} for name in "abcde"}
+    assert all(len(steps_before) > 1 for steps_before in after.values()), after  # (in the calls' sequence)
+
+
 @pytest.mark.slow_on_emulation
 def test_varlen_benchmark_times_every_candidate_in_both_modes(tmp_path):
     prefix = tmp_path / "varlen"
