@@ -69,7 +69,6 @@ int main() {
 namespace {
 
 constexpr long kHeads = 8, kDim = 64, kRows = 4, kTile = 64, kChunk = 16;
-constexpr long kTokenFloats = kHeads * kDim;  // one token's row of every head: 2 KiB
 volatile float sink;
 
 double seconds() {
@@ -202,7 +201,7 @@ struct Decoder : CacheRows<float> {
         const __m512 q = _mm512_load_ps(q4[h] + 16 * j);
         acc[h] = _mm512_fmadd_ps(q, _mm512_broadcast_f32x4(_mm_loadu_ps(keys + h * kDim + 4 * j)), acc[h]);
         acc[kHeads + h] = _mm512_fmadd_ps(
-            q, _mm512_broadcast_f32x4(_mm_loadu_ps(keys + kTokenFloats + h * kDim + 4 * j)), acc[kHeads + h]);
+            q, _mm512_broadcast_f32x4(_mm_loadu_ps(keys + kTokenElems + h * kDim + 4 * j)), acc[kHeads + h]);
       }
     for (long t = 0; t < 2; ++t)
       for (long h = 0; h < kHeads; h += 4) {
@@ -235,8 +234,8 @@ struct Decoder : CacheRows<float> {
   }
   void fetch(const float* base, long t, long ahead) const {  // every head's rows of tokens [t, t + kChunk) + ahead
     for (long r = t + ahead; r < std::min(t + ahead + kChunk, tokens); ++r)
-      for (long b = 0; b < kTokenFloats; b += 16)
-        _mm_prefetch(reinterpret_cast<const char*>(base + r * kTokenFloats + b), _MM_HINT_T2);
+      for (long b = 0; b < kTokenElems; b += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(base + r * kTokenElems + b), _MM_HINT_T2);
   }
 
   // One pass over the cache in `order`; work = false: one load per line instead of the work.
@@ -255,15 +254,15 @@ struct Decoder : CacheRows<float> {
               touch(key, h, t, kChunk);
             }
           else
-            for (long b = 0; b < kChunk * kTokenFloats; b += 16) touched += key[t * kTokenFloats + b];
+            for (long b = 0; b < kChunk * kTokenElems; b += 16) touched += key[t * kTokenElems + b];
         } else if (order == Order::kKernel) {
           for (long h = 0; h < kHeads; ++h) {
             if (by_head) fetch_head(key, h, t + kChunk);
             for (long i = 0; i < kChunk; i += 8)
-              eight_keys(h, key + (t + i) * kTokenFloats + h * kDim, kTokenFloats, &scores[h][0][c + i]);
+              eight_keys(h, key + (t + i) * kTokenElems + h * kDim, kTokenElems, &scores[h][0][c + i]);
           }
         } else {
-          for (long i = 0; i < kChunk; i += 2) two_tokens(key + (t + i) * kTokenFloats, c + i);
+          for (long i = 0; i < kChunk; i += 2) two_tokens(key + (t + i) * kTokenElems, c + i);
         }
       }
       scale_scores();
@@ -273,7 +272,7 @@ struct Decoder : CacheRows<float> {
         for (long h = 0; h < kHeads; ++h) {
           if (by_head) fetch_head(value, h, t + kChunk);
           if (work)
-            weighted_values(h, value + t * kTokenFloats + h * kDim, kTokenFloats, c, kChunk);
+            weighted_values(h, value + t * kTokenElems + h * kDim, kTokenElems, c, kChunk);
           else
             touch(value, h, t, kChunk);
         }
@@ -326,6 +325,20 @@ float release_all(std::vector<D>& decoders) {
     d.release();
   }
   return total;
+}
+
+// The table's header, and one row: ns per (key, K/V head) per thread for the work alone, the
+// memory alone and both together; the GB/s of `bytes` read in `together` ns per each of `pairs`,
+// as % of the plain read; overlap = (work + memory − together) / min(work, memory).
+void print_header() {
+  std::printf("%-24s %-7s %-7s %-9s %-7s %-10s %-7s\n", "order", "work", "memory", "together", "GB/s", "% of read",
+              "overlap");
+}
+void print_row(const char* name, double work, double memory, double together, double bytes, double pairs,
+               double read) {
+  const double gbps = bytes / (together * pairs * 1e-9) / 1e9;
+  std::printf("%-24s %-7.2f %-7.2f %-9.2f %-7.1f %-10.0f %-7.2f\n", name, work, memory, together, gbps,
+              100.0 * gbps / read, (work + memory - together) / std::min(work, memory));
 }
 
 #if defined(__AVX512BF16__)
@@ -432,14 +445,11 @@ float bf16_table(int threads, long tokens) {
   const double together = best_seconds(decoders, 1, [](DecoderBf16& d) { d.pass(true); }) / pairs * 1e9;
   const double read_after = read_gbps(decoders, bytes), best_read = std::max(read_before, read_after);
   total += release_all(decoders);
-  const double gbps = bytes / (together * pairs * 1e-9) / 1e9;
   std::printf("\nbf16 K and V of the same shape (%.1f MiB each per thread), the avx512bf16 decode loops; a plain\n"
               "read: %.1f GB/s before, %.1f after (the larger used). ns per (key, K/V head) per thread:\n",
               tokens * DecoderBf16::kTokenElems * 2.0 / (1 << 20), read_before, read_after);
-  std::printf("%-24s %-7s %-7s %-9s %-7s %-10s %-7s\n", "order", "work", "memory", "together", "GB/s", "% of read",
-              "overlap");
-  std::printf("%-24s %-7.2f %-7.2f %-9.2f %-7.1f %-10.0f %-7.2f\n", "bf16, next chunk/head", work, memory, together,
-              gbps, 100.0 * gbps / best_read, (work + memory - together) / std::min(work, memory));
+  print_header();
+  print_row("bf16, next chunk/head", work, memory, together, bytes, pairs, best_read);
   return total;
 }
 #endif  // __AVX512BF16__
@@ -458,7 +468,7 @@ int main(int argc, char** argv) {
   const long tokens = argc > 2 ? std::max(2 * kTile, std::atol(argv[2]) / kTile * kTile) : 32768;
   std::vector<Decoder> decoders(threads);
   const double pairs = static_cast<double>(tokens) * kHeads;  // (key, K/V head) pairs per pass
-  const double bytes = 2.0 * tokens * kTokenFloats * sizeof(float) * threads;
+  const double bytes = 2.0 * tokens * Decoder::kTokenElems * sizeof(float) * threads;
 
   const Variant variants[] = {
       {"kernel, 32 ahead", Order::kKernel, Fetch::kAhead32, false},
@@ -481,7 +491,7 @@ int main(int argc, char** argv) {
 
   allocate_all(decoders, tokens, false);
   const double read_before = read_gbps(decoders, bytes);
-  std::vector<double> row_work, row_memory, row_together;
+  std::vector<double> row_memory, row_together;
   for (int i = 0; i < kVariants; ++i) {
     const Variant& v = variants[i];
     if (v.huge) {
@@ -503,16 +513,10 @@ int main(int argc, char** argv) {
   std::printf("%d thread(s), each with %ld tokens x %ld heads x d %ld of fp32 K and of V (%.0f MiB each); a plain\n"
               "read of them (8 parts per thread side by side, median of 7): %.1f GB/s before the table, %.1f\n"
               "after (the larger used). ns per (key, K/V head) per thread:\n",
-              threads, tokens, kHeads, kDim, tokens * kTokenFloats * 4.0 / (1 << 20), read_before, read_after);
-  std::printf("%-24s %-7s %-7s %-9s %-7s %-10s %-7s\n", "order", "work", "memory", "together", "GB/s",
-              "% of read", "overlap");
-  for (int i = 0; i < kVariants; ++i) {
-    const double overlap =
-        (work_ns[i] + row_memory[i] - row_together[i]) / std::min(work_ns[i], row_memory[i]);
-    const double gbps = bytes / (row_together[i] * pairs * 1e-9) / 1e9;
-    std::printf("%-24s %-7.2f %-7.2f %-9.2f %-7.1f %-10.0f %-7.2f\n", variants[i].name, work_ns[i], row_memory[i],
-                row_together[i], gbps, 100.0 * gbps / read, overlap);
-  }
+              threads, tokens, kHeads, kDim, tokens * Decoder::kTokenElems * 4.0 / (1 << 20), read_before, read_after);
+  print_header();
+  for (int i = 0; i < kVariants; ++i)
+    print_row(variants[i].name, work_ns[i], row_memory[i], row_together[i], bytes, pairs, read);
 #if defined(__AVX512BF16__)
   sink = sink + bf16_table(threads, tokens);
 #else
