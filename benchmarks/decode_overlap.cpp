@@ -4,7 +4,7 @@
 // where they add up (benchmarks/README.md).
 //
 //   g++ -O3 -march=native -fopenmp -o /tmp/decode_overlap benchmarks/decode_overlap.cpp
-//   /tmp/decode_overlap [threads, default all] [tokens, default 32768]
+//   /tmp/decode_overlap [threads, default all] [tokens, default 32768; a multiple of 512, at least 1024]
 //
 // Each thread reads its own fp32 cache, (tokens, 8 K/V heads, d = 64) for K and again for V, 64 MiB
 // each at 32768 tokens, past the caches. The work is forward_decode.inc's for four query rows per
@@ -21,10 +21,21 @@
 //               128 ahead, or with the caches on transparent huge pages, or (next chunk/head) each
 //               head's rows of the next chunk asked for into L2 just before the head's work in
 //               this one, the kernel's NextChunk since it was measured here;
+//   paged       the kernel's order and asks over a paged cache: blocks of 16 or 256 tokens, the
+//               blocks in a shuffled order (a block table), as bench_kvcache.py's paged caches; a
+//               chunk of 16 tokens never crosses a block, so the asks for the next chunk go
+//               through the table as the kernel's NextChunk does;
+//   8 ranges    the keys cut into 8 ranges walked in lockstep, as 8 of a thread's split items
+//               could be: K key by key, per key and head the eight ranges' rows as the eight keys
+//               of one dot-product block (each range's row asked for into L2 16 keys ahead),
+//               so each range is read in storage order and eight are in flight at once (a plain
+//               read's parts side by side; read_order.cpp); V as the kernel, chunk by head, range
+//               by range;
 //   sequential  the same chunks, K read two tokens at a time for every head (the cache's own byte
 //               order: each FMA loads its head's query vector), V as above; no software prefetch.
 // Per order, ns per (key, K/V head), i.e. per 512 bytes of K and V:
-//   work        the same loops over a 64-token cache (256 KiB per thread, in L2), over and over;
+//   work        the same loops over a 64-token cache (256 KiB per thread, in L2), over and over
+//               (8 ranges: 512 tokens, a tile per range, 2 MiB per thread in L2 and L3);
 //   memory      the same order from DRAM, one load per 64-byte line and no work;
 //   together    the loops from DRAM;
 // and, for "together", GB/s of K and V read (all threads) and its share of a plain read of the same
@@ -59,6 +70,8 @@ int main() {
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
+#include <random>
 #include <vector>
 
 // (GCC 12 warns that its broadcast and shuffle intrinsics read an uninitialised "undefined"
@@ -69,6 +82,7 @@ int main() {
 namespace {
 
 constexpr long kHeads = 8, kDim = 64, kRows = 4, kTile = 64, kChunk = 16;
+constexpr long kRanges = 8;  // ranges in lockstep: one block of eight keys per key and head
 volatile float sink;
 
 double seconds() {
@@ -102,6 +116,8 @@ struct CacheRows {
   long tokens = 0;
   T* key = nullptr;
   T* value = nullptr;
+  long block_tokens = 0;          // 0: contiguous; else paged in blocks of this many tokens,
+  std::vector<long> block_of;     // logical block b stored at block block_of[b]
   alignas(64) float scores[kHeads][kRows][kTile];
   alignas(64) float out[kHeads][kRows][kDim];
   float touched = 0;
@@ -124,17 +140,35 @@ struct CacheRows {
     free(key);
     free(value);
   }
+  // Store the cache in blocks of `count` tokens in a shuffled order (0: contiguous); a last partial
+  // block stays last. The contents do not matter to the timings, so the blocks are only renamed,
+  // not moved.
+  void page(long count, unsigned seed) {
+    block_tokens = count;
+    block_of.resize(count > 0 ? (tokens + count - 1) / count : 0);
+    std::iota(block_of.begin(), block_of.end(), 0L);
+    if (count > 0) std::shuffle(block_of.begin(), block_of.begin() + tokens / count, std::mt19937(seed));
+  }
+  // token t's row of every head; the rows of tokens t .. t + kChunk - 1 (t a multiple of kChunk)
+  // follow it, as a chunk never crosses a block
+  const T* token_row(const T* base, long t) const {
+    const long stored = block_tokens > 0 ? block_of[t / block_tokens] * block_tokens + t % block_tokens : t;
+    return base + stored * kTokenElems;
+  }
   // head h's rows of tokens [t, t + kChunk) into L2 (the kernel's NextChunk, one head at a time)
   void fetch_head(const T* base, long h, long t) const {
-    for (long r = t; r < std::min(t + kChunk, tokens); ++r)
+    if (t >= tokens) return;
+    const T* rows = token_row(base, t) + h * kDim;
+    for (long r = 0; r < std::min(kChunk, tokens - t); ++r)
       for (long b = 0; b < kDim; b += kLineElems)
-        _mm_prefetch(reinterpret_cast<const char*>(base + r * kTokenElems + h * kDim + b), _MM_HINT_T2);
+        _mm_prefetch(reinterpret_cast<const char*>(rows + r * kTokenElems + b), _MM_HINT_T2);
   }
-  // one load per line of head h's rows of tokens [t, t + count)
+  // one load per line of head h's rows of tokens [t, t + count), count <= kChunk
   void touch(const T* base, long h, long t, long count) {
     float a = 0;
-    for (long r = t; r < t + count; ++r)
-      for (long b = 0; b < kDim; b += kLineElems) a += static_cast<float>(base[r * kTokenElems + h * kDim + b]);
+    const T* rows = token_row(base, t) + h * kDim;
+    for (long r = 0; r < count; ++r)
+      for (long b = 0; b < kDim; b += kLineElems) a += static_cast<float>(rows[r * kTokenElems + b]);
     touched += a;
   }
   void scale_scores() {  // (the softmax's place)
@@ -238,11 +272,47 @@ struct Decoder : CacheRows<float> {
         _mm_prefetch(reinterpret_cast<const char*>(base + r * kTokenElems + b), _MM_HINT_T2);
   }
 
+  // K of tokens [t0, t0 + kTile) of each of the kRanges ranges `span` tokens apart, key by key: per
+  // key and head, the ranges' rows as one block of eight keys (rows span·kTokenElems apart)
+  void keys_in_lockstep(long t0, long span, bool work) {
+    for (long k = t0; k < t0 + kTile; ++k)
+      for (long h = 0; h < kHeads; ++h) {
+        if (k + kChunk < span)
+          for (long r = 0; r < kRanges; ++r)
+            for (long b = 0; b < kDim; b += kLineElems)
+              _mm_prefetch(reinterpret_cast<const char*>(key + (r * span + k + kChunk) * kTokenElems + h * kDim + b),
+                           _MM_HINT_T2);
+        if (work)
+          eight_keys(h, key + k * kTokenElems + h * kDim, span * kTokenElems, &scores[h][0][(k - t0) & ~7L]);
+        else
+          for (long r = 0; r < kRanges; ++r) touch(key, h, r * span + k, 1);
+      }
+  }
+
   // One pass over the cache in `order`; work = false: one load per line instead of the work.
-  void pass(Order order, Fetch fetch_scheme, bool work) {
+  // lockstep: K key by key over kRanges ranges (a contiguous cache; V with the next chunk/head asks).
+  void pass(Order order, Fetch fetch_scheme, bool work, bool lockstep = false) {
     const long ahead = fetch_scheme == Fetch::kAhead32 ? 32 : 128;
     const bool burst = fetch_scheme == Fetch::kAhead32 || fetch_scheme == Fetch::kAhead128;
     const bool by_head = fetch_scheme == Fetch::kNextChunkByHead;
+    if (lockstep) {
+      const long span = tokens / kRanges;  // a multiple of kTile (main's tokens are of kRanges · kTile)
+      for (long t0 = 0; t0 < span; t0 += kTile) {
+        keys_in_lockstep(t0, span, work);
+        for (long r = 0; r < kRanges; ++r) scale_scores();
+        for (long c = 0; c < kTile; c += kChunk)
+          for (long r = 0; r < kRanges; ++r)
+            for (long h = 0; h < kHeads; ++h) {
+              const long t = r * span + t0 + c;
+              if (t0 + c + kChunk < span) fetch_head(value, h, t + kChunk);
+              if (work)
+                weighted_values(h, value + t * kTokenElems + h * kDim, kTokenElems, c, kChunk);
+              else
+                touch(value, h, t, kChunk);
+            }
+      }
+      return;
+    }
     for (long t0 = 0; t0 < tokens; t0 += kTile) {
       for (long c = 0; c < kTile; c += kChunk) {
         const long t = t0 + c;
@@ -259,7 +329,7 @@ struct Decoder : CacheRows<float> {
           for (long h = 0; h < kHeads; ++h) {
             if (by_head) fetch_head(key, h, t + kChunk);
             for (long i = 0; i < kChunk; i += 8)
-              eight_keys(h, key + (t + i) * kTokenElems + h * kDim, kTokenElems, &scores[h][0][c + i]);
+              eight_keys(h, token_row(key, t) + i * kTokenElems + h * kDim, kTokenElems, &scores[h][0][c + i]);
           }
         } else {
           for (long i = 0; i < kChunk; i += 2) two_tokens(key + (t + i) * kTokenElems, c + i);
@@ -272,7 +342,7 @@ struct Decoder : CacheRows<float> {
         for (long h = 0; h < kHeads; ++h) {
           if (by_head) fetch_head(value, h, t + kChunk);
           if (work)
-            weighted_values(h, value + t * kTokenElems + h * kDim, kTokenElems, c, kChunk);
+            weighted_values(h, token_row(value, t) + h * kDim, kTokenElems, c, kChunk);
           else
             touch(value, h, t, kChunk);
         }
@@ -316,6 +386,11 @@ template <typename D>
 void allocate_all(std::vector<D>& decoders, long tokens, bool huge) {
 #pragma omp parallel num_threads(static_cast<int>(decoders.size()))
   decoders[omp_get_thread_num()].allocate(tokens, huge);
+}
+// every thread's cache paged in shuffled blocks of `block_tokens` (0: contiguous), its own order
+template <typename D>
+void page_all(std::vector<D>& decoders, long block_tokens) {
+  for (size_t i = 0; i < decoders.size(); ++i) decoders[i].page(block_tokens, static_cast<unsigned>(i + 1));
 }
 template <typename D>
 float release_all(std::vector<D>& decoders) {
@@ -411,7 +486,7 @@ struct DecoderBf16 : CacheRows<uint16_t> {
         for (long h = 0; h < kHeads; ++h) {
           fetch_head(key, h, t0 + c + kChunk);
           if (work)
-            sixteen_keys(h, key + (t0 + c) * kTokenElems + h * kDim, kTokenElems, &scores[h][0][c]);
+            sixteen_keys(h, token_row(key, t0 + c) + h * kDim, kTokenElems, &scores[h][0][c]);
           else
             touch(key, h, t0 + c, kChunk);
         }
@@ -420,7 +495,7 @@ struct DecoderBf16 : CacheRows<uint16_t> {
         for (long h = 0; h < kHeads; ++h) {
           fetch_head(value, h, t0 + c + kChunk);
           if (work)
-            gather_pairs(h, value + (t0 + c) * kTokenElems + h * kDim, kTokenElems, c);
+            gather_pairs(h, token_row(value, t0 + c) + h * kDim, kTokenElems, c);
           else
             touch(value, h, t0 + c, kChunk);
         }
@@ -435,21 +510,33 @@ float bf16_table(int threads, long tokens) {
   std::vector<DecoderBf16> decoders(threads);
   const double pairs = static_cast<double>(tokens) * kHeads;
   const double bytes = 2.0 * tokens * DecoderBf16::kTokenElems * sizeof(uint16_t) * threads;
+  struct Layout {
+    const char* name;
+    long blocks;
+  };
+  const Layout layouts[] = {{"bf16, next chunk/head", 0}, {"bf16, paged 16", 16}, {"bf16, paged 256", 256}};
+  double work[3], memory[3], together[3];
   allocate_all(decoders, kTile, false);
-  const double work = best_seconds(decoders, 512, [](DecoderBf16& d) { d.pass(true); }) / 512 /
-                      (static_cast<double>(kTile) * kHeads) * 1e9;
+  for (int i = 0; i < 3; ++i) {
+    page_all(decoders, std::min(layouts[i].blocks, kTile));
+    work[i] = best_seconds(decoders, 512, [](DecoderBf16& d) { d.pass(true); }) / 512 /
+              (static_cast<double>(kTile) * kHeads) * 1e9;
+  }
   float total = release_all(decoders);
   allocate_all(decoders, tokens, false);
   const double read_before = read_gbps(decoders, bytes);
-  const double memory = best_seconds(decoders, 1, [](DecoderBf16& d) { d.pass(false); }) / pairs * 1e9;
-  const double together = best_seconds(decoders, 1, [](DecoderBf16& d) { d.pass(true); }) / pairs * 1e9;
+  for (int i = 0; i < 3; ++i) {
+    page_all(decoders, layouts[i].blocks);
+    memory[i] = best_seconds(decoders, 1, [](DecoderBf16& d) { d.pass(false); }) / pairs * 1e9;
+    together[i] = best_seconds(decoders, 1, [](DecoderBf16& d) { d.pass(true); }) / pairs * 1e9;
+  }
   const double read_after = read_gbps(decoders, bytes), best_read = std::max(read_before, read_after);
   total += release_all(decoders);
   std::printf("\nbf16 K and V of the same shape (%.1f MiB each per thread), the avx512bf16 decode loops; a plain\n"
               "read: %.1f GB/s before, %.1f after (the larger used). ns per (key, K/V head) per thread:\n",
               tokens * DecoderBf16::kTokenElems * 2.0 / (1 << 20), read_before, read_after);
   print_header();
-  print_row("bf16, next chunk/head", work, memory, together, bytes, pairs, best_read);
+  for (int i = 0; i < 3; ++i) print_row(layouts[i].name, work[i], memory[i], together[i], bytes, pairs, best_read);
   return total;
 }
 #endif  // __AVX512BF16__
@@ -459,35 +546,49 @@ struct Variant {
   Order order;
   Fetch fetch;
   bool huge;
+  long blocks;    // 0: contiguous; else paged in shuffled blocks of this many tokens
+  bool lockstep;  // K key by key over kRanges ranges
 };
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const int threads = argc > 1 ? std::atoi(argv[1]) : omp_get_max_threads();
-  const long tokens = argc > 2 ? std::max(2 * kTile, std::atol(argv[2]) / kTile * kTile) : 32768;
+  // a multiple of the lockstep's kRanges tiles
+  constexpr long kUnit = kRanges * kTile;
+  const long tokens = argc > 2 ? std::max(2 * kUnit, std::atol(argv[2]) / kUnit * kUnit) : 32768;
   std::vector<Decoder> decoders(threads);
   const double pairs = static_cast<double>(tokens) * kHeads;  // (key, K/V head) pairs per pass
   const double bytes = 2.0 * tokens * Decoder::kTokenElems * sizeof(float) * threads;
 
   const Variant variants[] = {
-      {"kernel, 32 ahead", Order::kKernel, Fetch::kAhead32, false},
-      {"kernel, no prefetch", Order::kKernel, Fetch::kNone, false},
-      {"kernel, 128 ahead", Order::kKernel, Fetch::kAhead128, false},
-      {"kernel, 32 ahead, THP", Order::kKernel, Fetch::kAhead32, true},
-      {"kernel, next chunk/head", Order::kKernel, Fetch::kNextChunkByHead, false},
-      {"sequential", Order::kSequential, Fetch::kNone, false},
+      {"kernel, 32 ahead", Order::kKernel, Fetch::kAhead32, false, 0, false},
+      {"kernel, no prefetch", Order::kKernel, Fetch::kNone, false, 0, false},
+      {"kernel, 128 ahead", Order::kKernel, Fetch::kAhead128, false, 0, false},
+      {"kernel, 32 ahead, THP", Order::kKernel, Fetch::kAhead32, true, 0, false},
+      {"kernel, next chunk/head", Order::kKernel, Fetch::kNextChunkByHead, false, 0, false},
+      {"sequential", Order::kSequential, Fetch::kNone, false, 0, false},
+      {"kernel, paged 16", Order::kKernel, Fetch::kNextChunkByHead, false, 16, false},
+      {"kernel, paged 256", Order::kKernel, Fetch::kNextChunkByHead, false, 256, false},
+      {"8 ranges, K by key", Order::kKernel, Fetch::kNextChunkByHead, false, 0, true},
   };
   constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
-  // Work alone: a 64-token cache per thread, read 512 times per timing.
+  // Work alone: a 64-token cache per thread (in L2), read 512 times per timing; the lockstep's
+  // eight ranges need a tile each: kRanges · 64 tokens (2 MiB of K and V per thread, read 64 times).
   double work_ns[kVariants];
-  allocate_all(decoders, kTile, false);
-  for (int i = 0; i < kVariants; ++i) {
-    const Variant& v = variants[i];
-    work_ns[i] = best_seconds(decoders, 512, [&](Decoder& d) { d.pass(v.order, v.fetch, true); }) / 512 /
-                 (static_cast<double>(kTile) * kHeads) * 1e9;
+  float total = 0;
+  for (const long cached : {kTile, kUnit}) {
+    allocate_all(decoders, cached, false);
+    for (int i = 0; i < kVariants; ++i) {
+      const Variant& v = variants[i];
+      if ((cached == kUnit) != v.lockstep) continue;
+      page_all(decoders, std::min(v.blocks, cached));
+      const int passes = static_cast<int>(32768 / cached);
+      work_ns[i] = best_seconds(decoders, passes, [&](Decoder& d) { d.pass(v.order, v.fetch, true, v.lockstep); }) /
+                   passes / (static_cast<double>(cached) * kHeads) * 1e9;
+    }
+    total += release_all(decoders);
   }
-  float total = release_all(decoders);
 
   allocate_all(decoders, tokens, false);
   const double read_before = read_gbps(decoders, bytes);
@@ -498,8 +599,9 @@ int main(int argc, char** argv) {
       total += release_all(decoders);
       allocate_all(decoders, tokens, true);
     }
-    const double memory = best_seconds(decoders, 1, [&](Decoder& d) { d.pass(v.order, v.fetch, false); });
-    const double together = best_seconds(decoders, 1, [&](Decoder& d) { d.pass(v.order, v.fetch, true); });
+    page_all(decoders, v.blocks);
+    const double memory = best_seconds(decoders, 1, [&](Decoder& d) { d.pass(v.order, v.fetch, false, v.lockstep); });
+    const double together = best_seconds(decoders, 1, [&](Decoder& d) { d.pass(v.order, v.fetch, true, v.lockstep); });
     row_memory.push_back(memory / pairs * 1e9);
     row_together.push_back(together / pairs * 1e9);
     if (v.huge) {

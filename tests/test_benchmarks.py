@@ -392,16 +392,18 @@ def test_decode_prefetch_micro_benchmark_builds_and_fills_its_tables(tmp_path):
 def test_decode_overlap_micro_benchmark_builds_and_fills_its_table(tmp_path):
     threads = 2
     lines = _build_and_run_micro_benchmark(tmp_path, "decode_overlap", ["-O3", "-march=native", "-fopenmp"],
-                                           str(threads), "256")
+                                           str(threads), "1024")
     if len(lines) == 1 and lines[0].endswith("nothing to time"):
         pytest.skip(lines[0])
-    assert lines[0].startswith("2 thread(s), each with 256 tokens x 8 heads x d 64")
+    assert lines[0].startswith("2 thread(s), each with 1024 tokens x 8 heads x d 64")
     read = re.search(r"median of 7\): ([0-9.]+) GB/s before the table, ([0-9.]+)", lines[1])
     assert read and float(read.group(1)) > 0 and float(read.group(2)) > 0, lines[1]
     read = max(float(read.group(1)), float(read.group(2)))
     assert lines[3].split() == ["order", "work", "memory", "together", "GB/s", "%", "of", "read", "overlap"]
-    rows = lines[4:10]
-    assert [row.split()[0] for row in rows] == ["kernel,"] * 5 + ["sequential"]
+    rows = lines[4:13]
+    assert [row.split()[0] for row in rows] == ["kernel,"] * 5 + ["sequential", "kernel,", "kernel,", "8"]
+    assert [" ".join(row.split()[:3]) for row in rows[6:8]] == ["kernel, paged 16", "kernel, paged 256"]
+    assert rows[8].startswith("8 ranges, K by key ")
     for row in rows:
         work, memory, together, gbps, share, overlap = (float(x) for x in row.split()[-6:])
         assert work > 0 and memory > 0 and together > 0, row
@@ -417,17 +419,39 @@ def test_decode_overlap_micro_benchmark_builds_and_fills_its_table(tmp_path):
         tolerance = (0.015 + 0.005 * abs(overlap)) / smaller + 0.006
         assert abs(overlap - (work + memory - together) / smaller) <= tolerance, row
     # the bf16 loops' table where the CPU has AVX512-BF16 (256 bytes of K and V per (key, K/V head))
-    if lines[10:] == ["", "(no AVX512-BF16 here: no bf16 table)"]:
+    if lines[13:] == ["", "(no AVX512-BF16 here: no bf16 table)"]:
         return
-    assert lines[10] == "" and lines[11].startswith("bf16 K and V of the same shape"), lines[10:]
-    bf16_read = re.search(r"read: ([0-9.]+) GB/s before, ([0-9.]+) after", lines[12])
-    assert bf16_read and float(bf16_read.group(1)) > 0, lines[12]
-    assert lines[13].split() == ["order", "work", "memory", "together", "GB/s", "%", "of", "read", "overlap"]
-    work, memory, together, gbps, share, overlap = (float(x) for x in lines[14].split()[-6:])
-    assert lines[14].startswith("bf16, next chunk/head") and work > 0 and memory > 0 and together > 0
-    exact_gbps = 256 * threads / together
-    assert abs(gbps - exact_gbps) <= 0.05 + exact_gbps * 0.005 / together + 1e-6, lines[14]
-    assert len(lines) == 15
+    assert lines[13] == "" and lines[14].startswith("bf16 K and V of the same shape"), lines[13:]
+    bf16_read = re.search(r"read: ([0-9.]+) GB/s before, ([0-9.]+) after", lines[15])
+    assert bf16_read and float(bf16_read.group(1)) > 0, lines[15]
+    assert lines[16].split() == ["order", "work", "memory", "together", "GB/s", "%", "of", "read", "overlap"]
+    for row, name in zip(lines[17:], ["bf16, next chunk/head", "bf16, paged 16", "bf16, paged 256"]):
+        work, memory, together, gbps, share, overlap = (float(x) for x in row.split()[-6:])
+        assert row.startswith(name) and work > 0 and memory > 0 and together > 0, row
+        exact_gbps = 256 * threads / together
+        assert abs(gbps - exact_gbps) <= 0.05 + exact_gbps * 0.005 / together + 1e-6, row
+    assert len(lines) == 20
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_read_order_micro_benchmark_builds_and_fills_its_table(tmp_path):
+    lines = _build_and_run_micro_benchmark(tmp_path, "read_order", ["-O3", "-march=native", "-fopenmp"],
+                                           "2", "1024", "3")
+    assert lines[0].startswith("2 thread(s), each with 1024 tokens x 8 heads x d 64")
+    assert lines[2].split() == ["order", "median", "%", "of", "read", "rounds"]
+    rows = {line[:26].strip(): line[26:].split() for line in lines[3:]}
+    assert list(rows) == ["plain, 8 parts", "plain, 1 part", "plain, 16 parts", "chunk by head",
+                          "chunk by head, no asks", "key by key", "8 ranges, chunk by head",
+                          "8 ranges, key/head/range", "4 ranges, key/head/range", "8 ranges, key/range"]
+    reference = sorted(float(x) for x in rows["plain, 8 parts"][2:])[1]
+    for name, (median, share, *rounds) in rows.items():
+        rates = sorted(float(x) for x in rounds)
+        assert len(rates) == 3 and rates[0] > 0, name
+        # the median of the three rounds, and its share of the 8-part read's median (each printed
+        # to 0.1 GB/s and 1 %)
+        assert float(median) == pytest.approx(rates[1], abs=0.051), name
+        assert float(share) == pytest.approx(100 * rates[1] / reference, abs=0.5 + 100 * 0.1 / reference), name
+    assert rows["plain, 8 parts"][1] == "100"
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
