@@ -25,6 +25,12 @@
 //               blocks in a shuffled order (a block table), as bench_kvcache.py's paged caches; a
 //               chunk of 16 tokens never crosses a block, so the asks for the next chunk go
 //               through the table as the kernel's NextChunk does;
+//   strands     the kernel's order now (forward_decode.inc's strand order): per tile of 64 keys,
+//               8 strands of 8 keys side by side; step k reads key k of every strand, head by
+//               head, as one block of eight keys 8 rows apart (K: the eight-key dot products; V:
+//               O += P V over the eight), each row of the next tile asked for into L2 a step
+//               ahead of its own; the rows above with "kernel," are its order before (a chunk of
+//               16 keys at a time, each head's 16 rows 2 KiB apart);
 //   8 ranges    the keys cut into 8 ranges walked in lockstep, as 8 of a thread's split items
 //               could be: K key by key, per key and head the eight ranges' rows as the eight keys
 //               of one dot-product block (each range's row asked for into L2 16 keys ahead),
@@ -83,6 +89,7 @@ namespace {
 
 constexpr long kHeads = 8, kDim = 64, kRows = 4, kTile = 64, kChunk = 16;
 constexpr long kRanges = 8;  // ranges in lockstep: one block of eight keys per key and head
+constexpr long kStrands = 8, kStrandKeys = kTile / kStrands;  // strand order (forward_decode.inc)
 volatile float sink;
 
 double seconds() {
@@ -103,7 +110,7 @@ void* allocate_cache(size_t bytes, bool huge) {
   return p;
 }
 
-enum class Order { kKernel, kSequential };
+enum class Order { kKernel, kSequential, kStrands };
 enum class Fetch { kNone, kAhead32, kAhead128, kNextChunkByHead };
 
 // One thread's K and V cache of element type T, (tokens, kHeads, kDim) each, and what the fp32 and
@@ -290,11 +297,41 @@ struct Decoder : CacheRows<float> {
   }
 
   // One pass over the cache in `order`; work = false: one load per line instead of the work.
+  // Strand order (the kernel's now): per tile, kStrands strands of kStrandKeys keys side by side;
+  // step k reads key k of every strand, head by head, as one block of eight keys kStrandKeys rows
+  // apart, the next tile's same rows of the head asked for into L2 first; K, then V.
+  void strand_tile(const float* base, long t0, bool work, bool values) {
+    for (long k = 0; k < kStrandKeys; ++k)
+      for (long h = 0; h < kHeads; ++h) {
+        if (t0 + kTile < tokens)
+          for (long i = 0; i < kStrands; ++i)
+            for (long b = 0; b < kDim; b += kLineElems)
+              _mm_prefetch(reinterpret_cast<const char*>(base + (t0 + kTile + k + i * kStrandKeys) * kTokenElems +
+                                                         h * kDim + b),
+                           _MM_HINT_T2);
+        const float* rows = base + (t0 + k) * kTokenElems + h * kDim;
+        if (!work)
+          for (long i = 0; i < kStrands; ++i) touch(base, h, t0 + k + i * kStrandKeys, 1);
+        else if (values)
+          weighted_values(h, rows, kStrandKeys * kTokenElems, k * kStrands, kStrands);
+        else
+          eight_keys(h, rows, kStrandKeys * kTokenElems, &scores[h][0][k * kStrands]);
+      }
+  }
+
   // lockstep: K key by key over kRanges ranges (a contiguous cache; V with the next chunk/head asks).
   void pass(Order order, Fetch fetch_scheme, bool work, bool lockstep = false) {
     const long ahead = fetch_scheme == Fetch::kAhead32 ? 32 : 128;
     const bool burst = fetch_scheme == Fetch::kAhead32 || fetch_scheme == Fetch::kAhead128;
     const bool by_head = fetch_scheme == Fetch::kNextChunkByHead;
+    if (order == Order::kStrands) {
+      for (long t0 = 0; t0 < tokens; t0 += kTile) {
+        strand_tile(key, t0, work, false);
+        scale_scores();
+        strand_tile(value, t0, work, true);
+      }
+      return;
+    }
     if (lockstep) {
       const long span = tokens / kRanges;  // a multiple of kTile (main's tokens are of kRanges · kTile)
       for (long t0 = 0; t0 < span; t0 += kTile) {
@@ -571,6 +608,7 @@ int main(int argc, char** argv) {
       {"kernel, paged 16", Order::kKernel, Fetch::kNextChunkByHead, false, 16, false},
       {"kernel, paged 256", Order::kKernel, Fetch::kNextChunkByHead, false, 256, false},
       {"8 ranges, K by key", Order::kKernel, Fetch::kNextChunkByHead, false, 0, true},
+      {"kernel, strands", Order::kStrands, Fetch::kNone, false, 0, false},
   };
   constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
   // Work alone: a 64-token cache per thread (in L2), read 512 times per timing; the lockstep's

@@ -400,10 +400,10 @@ def test_decode_overlap_micro_benchmark_builds_and_fills_its_table(tmp_path):
     assert read and float(read.group(1)) > 0 and float(read.group(2)) > 0, lines[1]
     read = max(float(read.group(1)), float(read.group(2)))
     assert lines[3].split() == ["order", "work", "memory", "together", "GB/s", "%", "of", "read", "overlap"]
-    rows = lines[4:13]
-    assert [row.split()[0] for row in rows] == ["kernel,"] * 5 + ["sequential", "kernel,", "kernel,", "8"]
+    rows = lines[4:14]
+    assert [row.split()[0] for row in rows] == ["kernel,"] * 5 + ["sequential", "kernel,", "kernel,", "8", "kernel,"]
     assert [" ".join(row.split()[:3]) for row in rows[6:8]] == ["kernel, paged 16", "kernel, paged 256"]
-    assert rows[8].startswith("8 ranges, K by key ")
+    assert rows[8].startswith("8 ranges, K by key ") and rows[9].startswith("kernel, strands ")
     for row in rows:
         work, memory, together, gbps, share, overlap = (float(x) for x in row.split()[-6:])
         assert work > 0 and memory > 0 and together > 0, row
@@ -419,18 +419,18 @@ def test_decode_overlap_micro_benchmark_builds_and_fills_its_table(tmp_path):
         tolerance = (0.015 + 0.005 * abs(overlap)) / smaller + 0.006
         assert abs(overlap - (work + memory - together) / smaller) <= tolerance, row
     # the bf16 loops' table where the CPU has AVX512-BF16 (256 bytes of K and V per (key, K/V head))
-    if lines[13:] == ["", "(no AVX512-BF16 here: no bf16 table)"]:
+    if lines[14:] == ["", "(no AVX512-BF16 here: no bf16 table)"]:
         return
-    assert lines[13] == "" and lines[14].startswith("bf16 K and V of the same shape"), lines[13:]
-    bf16_read = re.search(r"read: ([0-9.]+) GB/s before, ([0-9.]+) after", lines[15])
-    assert bf16_read and float(bf16_read.group(1)) > 0, lines[15]
-    assert lines[16].split() == ["order", "work", "memory", "together", "GB/s", "%", "of", "read", "overlap"]
-    for row, name in zip(lines[17:], ["bf16, next chunk/head", "bf16, paged 16", "bf16, paged 256"]):
+    assert lines[14] == "" and lines[15].startswith("bf16 K and V of the same shape"), lines[14:]
+    bf16_read = re.search(r"read: ([0-9.]+) GB/s before, ([0-9.]+) after", lines[16])
+    assert bf16_read and float(bf16_read.group(1)) > 0, lines[16]
+    assert lines[17].split() == ["order", "work", "memory", "together", "GB/s", "%", "of", "read", "overlap"]
+    for row, name in zip(lines[18:], ["bf16, next chunk/head", "bf16, paged 16", "bf16, paged 256"]):
         work, memory, together, gbps, share, overlap = (float(x) for x in row.split()[-6:])
         assert row.startswith(name) and work > 0 and memory > 0 and together > 0, row
         exact_gbps = 256 * threads / together
         assert abs(gbps - exact_gbps) <= 0.05 + exact_gbps * 0.005 / together + 1e-6, row
-    assert len(lines) == 20
+    assert len(lines) == 21
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
