@@ -1,5 +1,5 @@
 // Isolated micro-benchmark: how fast one K/V cache reads from DRAM in each order a decode could
-// read it, with no work at all. decode_overlap.cpp times the decode's loops in the kernel's order;
+// read it, with no work at all. decode_overlap.cpp times the decode's loops in the kernel's orders;
 // this asks whether another order of the same loads would let the memory go faster, and what the
 // plain read the benchmarks take as the bandwidth owes to its own order (benchmarks/README.md).
 //
@@ -12,10 +12,14 @@
 //   plain, P parts    each thread's K (then V) as P parts side by side, 256 bytes of each in turn
 //                     (8 parts is bench.measure_read_bandwidth's scheme: the "% of bandwidth"
 //                     reference), or one part front to back;
-//   chunk by head     the decode kernel's order: per chunk of 16 keys, head by head, the head's 16
-//                     rows (2 KiB apart); the next chunk's rows of the head asked for into L2 just
-//                     before (the kernel's NextChunk), or no asks;
+//   chunk by head     the decode kernel's order before strand order (bf16's still): per chunk of 16
+//                     keys, head by head, the head's 16 rows (2 KiB apart); the next chunk's rows of
+//                     the head asked for into L2 just before (the kernel's NextChunk), or no asks;
 //   key by key        storage order: per key, every head's row; each row asked for 16 keys ahead;
+//   strands           per tile of 64 keys, 8 strands of 8 keys side by side: per key of a strand,
+//                     head by head, that key's row of every strand (the decode kernel's strand
+//                     order, forward_decode.inc); each row of the next tile asked for into L2 a
+//                     step ahead of its own;
 //   R ranges, ...     the keys cut into R ranges read in lockstep (as R of a thread's split items
 //                     would be): per chunk, per range, head by head (chunk by head); or per key, per
 //                     head, one row of each range in turn (key, head, range); or per key, per range,
@@ -112,6 +116,18 @@ struct Cache {
             load(row(base, t, h), kHeadRowBytes);
           }
   }
+  void strands() {
+    constexpr long kTileKeys = 64, kStrands = 8, kStrandKeys = kTileKeys / kStrands;
+    for (const char* base : {key, value})
+      for (long t0 = 0; t0 + kTileKeys <= tokens; t0 += kTileKeys)
+        for (long k = 0; k < kStrandKeys; ++k)
+          for (long h = 0; h < kHeads; ++h)
+            for (long i = 0; i < kStrands; ++i) {
+              const long t = t0 + k + i * kStrandKeys;
+              if (t0 + 2 * kTileKeys <= tokens) ask(row(base, t + kTileKeys, h), kHeadRowBytes);
+              load(row(base, t, h), kHeadRowBytes);
+            }
+  }
   void key_range(long ranges) {
     const long span = tokens / ranges;
     for (const char* base : {key, value})
@@ -126,7 +142,7 @@ struct Cache {
 
 struct Order {
   const char* name;
-  int kind;  // 0 plain, 1 chunk by head, 2 key/head/range, 3 key/range
+  int kind;  // 0 plain, 1 chunk by head, 2 key/head/range, 3 key/range, 4 strands
   long count;  // parts or ranges
   bool asks;
 };
@@ -136,6 +152,7 @@ void run(Cache& c, const Order& o) {
     case 0: c.plain(o.count); break;
     case 1: c.chunk_by_head(o.count, o.asks); break;
     case 2: c.key_head_range(o.count); break;
+    case 4: c.strands(); break;
     default: c.key_range(o.count); break;
   }
 }
@@ -181,6 +198,7 @@ int main(int argc, char** argv) {
       {"chunk by head", 1, 1, true},
       {"chunk by head, no asks", 1, 1, false},
       {"key by key", 2, 1, true},
+      {"strands", 4, 8, true},
       {"8 ranges, chunk by head", 1, 8, true},
       {"8 ranges, key/head/range", 2, 8, true},
       {"4 ranges, key/head/range", 2, 4, true},

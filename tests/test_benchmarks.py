@@ -441,7 +441,7 @@ def test_read_order_micro_benchmark_builds_and_fills_its_table(tmp_path):
     assert lines[2].split() == ["order", "median", "%", "of", "read", "rounds"]
     rows = {line[:26].strip(): line[26:].split() for line in lines[3:]}
     assert list(rows) == ["plain, 8 parts", "plain, 1 part", "plain, 16 parts", "chunk by head",
-                          "chunk by head, no asks", "key by key", "8 ranges, chunk by head",
+                          "chunk by head, no asks", "key by key", "strands", "8 ranges, chunk by head",
                           "8 ranges, key/head/range", "4 ranges, key/head/range", "8 ranges, key/range"]
     reference = sorted(float(x) for x in rows["plain, 8 parts"][2:])[1]
     for name, (median, share, *rounds) in rows.items():
