@@ -448,9 +448,10 @@ def test_read_order_micro_benchmark_builds_and_fills_its_table(tmp_path):
         rates = sorted(float(x) for x in rounds)
         assert len(rates) == 3 and rates[0] > 0, name
         # the median of the three rounds, and its share of the 8-part read's median (each printed
-        # to 0.1 GB/s and 1 %)
+        # to 0.1 GB/s and 1 %: the share from printed rates is off by at most the rounding of both)
         assert float(median) == pytest.approx(rates[1], abs=0.051), name
-        assert float(share) == pytest.approx(100 * rates[1] / reference, abs=0.5 + 100 * 0.1 / reference), name
+        slack = 0.5 + 100 * 0.05 / reference * (1 + rates[1] / reference) + 1e-6
+        assert float(share) == pytest.approx(100 * rates[1] / reference, abs=slack), name
     assert rows["plain, 8 parts"][1] == "100"
 
 
