@@ -162,13 +162,15 @@ struct CacheRows {
     const long stored = block_tokens > 0 ? block_of[t / block_tokens] * block_tokens + t % block_tokens : t;
     return base + stored * kTokenElems;
   }
+  // one head's row (kDim elements) into L2
+  static void row_into_l2(const T* row) {
+    for (long b = 0; b < kDim; b += kLineElems) _mm_prefetch(reinterpret_cast<const char*>(row + b), _MM_HINT_T2);
+  }
   // head h's rows of tokens [t, t + kChunk) into L2 (the kernel's NextChunk, one head at a time)
   void fetch_head(const T* base, long h, long t) const {
     if (t >= tokens) return;
     const T* rows = token_row(base, t) + h * kDim;
-    for (long r = 0; r < std::min(kChunk, tokens - t); ++r)
-      for (long b = 0; b < kDim; b += kLineElems)
-        _mm_prefetch(reinterpret_cast<const char*>(rows + r * kTokenElems + b), _MM_HINT_T2);
+    for (long r = 0; r < std::min(kChunk, tokens - t); ++r) row_into_l2(rows + r * kTokenElems);
   }
   // one load per line of head h's rows of tokens [t, t + count), count <= kChunk
   void touch(const T* base, long h, long t, long count) {
@@ -285,10 +287,7 @@ struct Decoder : CacheRows<float> {
     for (long k = t0; k < t0 + kTile; ++k)
       for (long h = 0; h < kHeads; ++h) {
         if (k + kChunk < span)
-          for (long r = 0; r < kRanges; ++r)
-            for (long b = 0; b < kDim; b += kLineElems)
-              _mm_prefetch(reinterpret_cast<const char*>(key + (r * span + k + kChunk) * kTokenElems + h * kDim + b),
-                           _MM_HINT_T2);
+          for (long r = 0; r < kRanges; ++r) row_into_l2(key + (r * span + k + kChunk) * kTokenElems + h * kDim);
         if (work)
           eight_keys(h, key + k * kTokenElems + h * kDim, span * kTokenElems, &scores[h][0][(k - t0) & ~7L]);
         else
@@ -296,7 +295,6 @@ struct Decoder : CacheRows<float> {
       }
   }
 
-  // One pass over the cache in `order`; work = false: one load per line instead of the work.
   // Strand order (the kernel's now): per tile, kStrands strands of kStrandKeys keys side by side;
   // step k reads key k of every strand, head by head, as one block of eight keys kStrandKeys rows
   // apart, the next tile's same rows of the head asked for into L2 first; K, then V.
@@ -305,10 +303,7 @@ struct Decoder : CacheRows<float> {
       for (long h = 0; h < kHeads; ++h) {
         if (t0 + kTile < tokens)
           for (long i = 0; i < kStrands; ++i)
-            for (long b = 0; b < kDim; b += kLineElems)
-              _mm_prefetch(reinterpret_cast<const char*>(base + (t0 + kTile + k + i * kStrandKeys) * kTokenElems +
-                                                         h * kDim + b),
-                           _MM_HINT_T2);
+            row_into_l2(base + (t0 + kTile + k + i * kStrandKeys) * kTokenElems + h * kDim);
         const float* rows = base + (t0 + k) * kTokenElems + h * kDim;
         if (!work)
           for (long i = 0; i < kStrands; ++i) touch(base, h, t0 + k + i * kStrandKeys, 1);
@@ -319,6 +314,7 @@ struct Decoder : CacheRows<float> {
       }
   }
 
+  // One pass over the cache in `order`; work = false: one load per line instead of the work.
   // lockstep: K key by key over kRanges ranges (a contiguous cache; V with the next chunk/head asks).
   void pass(Order order, Fetch fetch_scheme, bool work, bool lockstep = false) {
     const long ahead = fetch_scheme == Fetch::kAhead32 ? 32 : 128;
