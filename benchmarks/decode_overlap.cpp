@@ -55,7 +55,11 @@
 //           (vdpbf16ps), sixteen keys at a time (keys_block<16>);
 //   values: each chunk's V rows interleaved into pairs of consecutive keys (store_interleaved_pairs),
 //           then per tile P rounded to bf16 pairs and O (4 rows x 64) += P V, a pair of keys per
-//           step (gemm_bf16_block<4, 4>); 256 bytes of K and V per (key, K/V head).
+//           step (gemm_bf16_block<4, 4>); 256 bytes of K and V per (key, K/V head);
+// and the same loops in a strand order for pairs ("bf16, strands", contiguous and paged in blocks
+// of 16): per tile, 8 strands of 8 keys side by side, step k reading keys 2k and 2k + 1 of every
+// strand (a pair of consecutive rows each, so V's pairs stay those of the tile's places), head by
+// head, sixteen keys per step, each row of the next tile asked for into L2 a step ahead of its own.
 
 #include <cstdio>
 
@@ -512,6 +516,69 @@ struct DecoderBf16 : CacheRows<uint16_t> {
     for (long r = 0; r < kRows; ++r)
       for (int v = 0; v < 4; ++v) _mm512_store_ps(out[h][r] + 16 * v, acc[r][v]);
   }
+  // scores of the sixteen keys rows[c] (head h's rows) for its four rows, into s[c]
+  void sixteen_listed_keys(long h, const uint16_t* const* rows, float* s) {
+    __m512 acc[16];
+    for (int c = 0; c < 16; ++c) acc[c] = _mm512_setzero_ps();
+    for (long j = 0; j < kDim / 8; ++j) {
+      const __m512bh q = (__m512bh)_mm512_load_si512(q4[h] + 16 * j);
+      for (int c = 0; c < 16; ++c)
+        acc[c] = _mm512_dpbf16_ps(
+            acc[c], q, (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[c] + 8 * j))));
+    }
+    for (int c = 0; c < 16; c += 4)
+      Decoder::store_rows(Decoder::sum_four_keys(acc[c], acc[c + 1], acc[c + 2], acc[c + 3]), s + c);
+  }
+  // head h's V rows of the key pairs rows[2t], rows[2t + 1] (t < 8) as pair row pair_row[t]
+  void gather_listed_pairs(long h, const uint16_t* const* rows, const long* pair_row) {
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                            38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    for (long t = 0; t < kChunk / 2; ++t)
+      for (long x = 0; x < kDim; x += 32) {
+        const __m512i a = _mm512_loadu_si512(rows[2 * t] + x), b = _mm512_loadu_si512(rows[2 * t + 1] + x);
+        uint32_t* o = v_pairs[h][pair_row[t]] + x;
+        _mm512_store_si512(o, _mm512_permutex2var_epi16(a, lo_idx, b));
+        _mm512_store_si512(o + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+      }
+  }
+  // Strand order with pairs: per tile, kStrands strands of kStrandKeys keys side by side; step k
+  // reads keys 2k and 2k + 1 of every strand (a pair, consecutive rows), head by head, sixteen
+  // keys at a time, the next tile's same rows of the head asked for into L2 first; K, then V (the
+  // pairs by their places in the tile, as the kernel's). The scores are left in the steps' order
+  // (the kernel puts them back into key order; a permutation of the tile's 64 columns).
+  void strand_tile(const uint16_t* base, long t0, bool work, bool values) {
+    for (long k = 0; k < kStrandKeys / 2; ++k)
+      for (long h = 0; h < kHeads; ++h) {
+        const uint16_t* rows[kChunk];
+        long pair_row[kChunk / 2];
+        for (long i = 0; i < kStrands; ++i) {
+          const long key0 = i * kStrandKeys + 2 * k;
+          if (t0 + kTile < tokens) {
+            row_into_l2(token_row(base, t0 + kTile + key0) + h * kDim);
+            row_into_l2(token_row(base, t0 + kTile + key0 + 1) + h * kDim);
+          }
+          rows[2 * i] = token_row(base, t0 + key0) + h * kDim;
+          rows[2 * i + 1] = token_row(base, t0 + key0 + 1) + h * kDim;
+          pair_row[i] = key0 / 2;
+        }
+        if (!work)
+          for (long i = 0; i < kStrands; ++i) touch(base, h, t0 + i * kStrandKeys + 2 * k, 2);
+        else if (values)
+          gather_listed_pairs(h, rows, pair_row);
+        else
+          sixteen_listed_keys(h, rows, &scores[h][0][k * kChunk]);
+      }
+  }
+  void strand_pass(bool work) {
+    for (long t0 = 0; t0 < tokens; t0 += kTile) {
+      strand_tile(key, t0, work, false);
+      scale_scores();
+      strand_tile(value, t0, work, true);
+      if (work)
+        for (long h = 0; h < kHeads; ++h) tile_values(h);
+    }
+  }
   // One pass in the kernel's order with its next chunk/head asks; work = false: one load per line.
   void pass(bool work) {
     for (long t0 = 0; t0 < tokens; t0 += kTile) {
@@ -546,22 +613,28 @@ float bf16_table(int threads, long tokens) {
   struct Layout {
     const char* name;
     long blocks;
+    bool strands;
   };
-  const Layout layouts[] = {{"bf16, next chunk/head", 0}, {"bf16, paged 16", 16}, {"bf16, paged 256", 256}};
-  double work[3], memory[3], together[3];
+  const Layout layouts[] = {{"bf16, next chunk/head", 0, false}, {"bf16, paged 16", 16, false},
+                            {"bf16, paged 256", 256, false},      {"bf16, strands", 0, true},
+                            {"bf16, strands, paged 16", 16, true}};
+  constexpr int kLayouts = sizeof(layouts) / sizeof(layouts[0]);
+  double work[kLayouts], memory[kLayouts], together[kLayouts];
+  const auto pass = [](const Layout& layout, bool work_too) {
+    return [&layout, work_too](DecoderBf16& d) { layout.strands ? d.strand_pass(work_too) : d.pass(work_too); };
+  };
   allocate_all(decoders, kTile, false);
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < kLayouts; ++i) {
     page_all(decoders, std::min(layouts[i].blocks, kTile));
-    work[i] = best_seconds(decoders, 512, [](DecoderBf16& d) { d.pass(true); }) / 512 /
-              (static_cast<double>(kTile) * kHeads) * 1e9;
+    work[i] = best_seconds(decoders, 512, pass(layouts[i], true)) / 512 / (static_cast<double>(kTile) * kHeads) * 1e9;
   }
   float total = release_all(decoders);
   allocate_all(decoders, tokens, false);
   const double read_before = read_gbps(decoders, bytes);
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < kLayouts; ++i) {
     page_all(decoders, layouts[i].blocks);
-    memory[i] = best_seconds(decoders, 1, [](DecoderBf16& d) { d.pass(false); }) / pairs * 1e9;
-    together[i] = best_seconds(decoders, 1, [](DecoderBf16& d) { d.pass(true); }) / pairs * 1e9;
+    memory[i] = best_seconds(decoders, 1, pass(layouts[i], false)) / pairs * 1e9;
+    together[i] = best_seconds(decoders, 1, pass(layouts[i], true)) / pairs * 1e9;
   }
   const double read_after = read_gbps(decoders, bytes), best_read = std::max(read_before, read_after);
   total += release_all(decoders);
@@ -569,7 +642,7 @@ float bf16_table(int threads, long tokens) {
               "read: %.1f GB/s before, %.1f after (the larger used). ns per (key, K/V head) per thread:\n",
               tokens * DecoderBf16::kTokenElems * 2.0 / (1 << 20), read_before, read_after);
   print_header();
-  for (int i = 0; i < 3; ++i) print_row(layouts[i].name, work[i], memory[i], together[i], bytes, pairs, best_read);
+  for (int i = 0; i < kLayouts; ++i) print_row(layouts[i].name, work[i], memory[i], together[i], bytes, pairs, best_read);
   return total;
 }
 #endif  // __AVX512BF16__

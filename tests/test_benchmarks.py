@@ -425,12 +425,13 @@ def test_decode_overlap_micro_benchmark_builds_and_fills_its_table(tmp_path):
     bf16_read = re.search(r"read: ([0-9.]+) GB/s before, ([0-9.]+) after", lines[16])
     assert bf16_read and float(bf16_read.group(1)) > 0, lines[16]
     assert lines[17].split() == ["order", "work", "memory", "together", "GB/s", "%", "of", "read", "overlap"]
-    for row, name in zip(lines[18:], ["bf16, next chunk/head", "bf16, paged 16", "bf16, paged 256"]):
+    names = ["bf16, next chunk/head", "bf16, paged 16", "bf16, paged 256", "bf16, strands", "bf16, strands, paged 16"]
+    assert len(lines[18:]) == len(names), lines[18:]
+    for row, name in zip(lines[18:], names):
         work, memory, together, gbps, share, overlap = (float(x) for x in row.split()[-6:])
         assert row.startswith(name) and work > 0 and memory > 0 and together > 0, row
         exact_gbps = 256 * threads / together
         assert abs(gbps - exact_gbps) <= 0.05 + exact_gbps * 0.005 / together + 1e-6, row
-    assert len(lines) == 21
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
