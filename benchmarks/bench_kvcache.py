@@ -8,9 +8,10 @@ machine's streaming read bandwidth measured in the same run (bench.measure_bandw
 tensor read once, at the start and at the end, the larger used), and with --read-beside also against
 a read of 512 MiB timed before each of its calls (the machine's rate at the same moments, which on a
 VM can move by a quarter within minutes). Per (dtype, cached tokens, batch·kv_heads, query rows) it
-times, interleaved (each round in its own shuffled order), each timed call right after an untimed
-call of the same candidate (back to back: the call finds the caches as its own call left them, not
-as torch's gather, which evicts them, left them; or with --read-beside after the read):
+times, interleaved (each round in its own shuffled order), each timed call right after two untimed
+calls of the same candidate (back to back: the call finds the caches as its own call left them, not
+as torch's gather, which evicts them, left them; two, as on a 2-vCPU VM the second call after the
+gather's large free ran about 3x slower, benchmarks/README.md; or with --read-beside after the read):
   * ours contiguous: flash_attn_with_kvcache on a (batch, tokens, kv_heads, d) cache;
   * ours contiguous, VARIANT (with --also-variant VARIANT): the same call on another CPU kernel
     variant's code (e.g. avx512, whose bf16 decode converts to fp32, beside avx512bf16's dot products);
@@ -132,7 +133,8 @@ def run_config(dtype, tokens, batch, kv_heads, heads_per_kv, rows, reps, warmup,
     timed = {name: no_grad(fn) for name, fn in steps.items()}
 
     if read is None:
-        def before(step):  # back to back: each timed call finds the caches as its own call left them
+        def before(step):  # back to back: each timed call finds the caches as its own calls left them
+            step()
             step()
     else:
         small_k, small_v, _ = make_cache(batch, kv_heads, 64, dtype, None, g)
@@ -201,7 +203,7 @@ def render(meta, rows, append_rows):
              + f"). Heads = {group} x kv_heads "
              f"({'GQA' if group > 1 else 'one query head per KV head'}), head dim {D}, causal. GB/s = K and V bytes "
              f"read per call / time; each timed call "
-             + ("follows the read" if beside_cols else "right after an untimed call of the same candidate")
+             + ("follows the read" if beside_cols else "right after two untimed calls of the same candidate")
              + ", the candidates in a shuffled order per round. Caches allocated "
              f"{'with' if meta.get('thp_mem_alloc') else 'without'} torch's THP_MEM_ALLOC_ENABLE=1 (transparent huge "
              f"pages).", "",
