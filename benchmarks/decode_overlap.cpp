@@ -465,33 +465,6 @@ struct DecoderBf16 : CacheRows<uint16_t> {
     for (long h = 0; h < kHeads; ++h)
       for (long i = 0; i < kDim / 8 * 16; ++i) q4[h][i] = 0x3c003c00u + static_cast<uint32_t>(i % 11);
   }
-  // scores of sixteen keys of head h (rows ld elements apart) for its four rows
-  void sixteen_keys(long h, const uint16_t* keys, long ld, float* s) {
-    __m512 acc[16];
-    for (int c = 0; c < 16; ++c) acc[c] = _mm512_setzero_ps();
-    for (long j = 0; j < kDim / 8; ++j) {
-      const __m512bh q = (__m512bh)_mm512_load_si512(q4[h] + 16 * j);
-      for (int c = 0; c < 16; ++c)
-        acc[c] = _mm512_dpbf16_ps(
-            acc[c], q,
-            (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + c * ld + 8 * j))));
-    }
-    for (int c = 0; c < 16; c += 4)
-      Decoder::store_rows(Decoder::sum_four_keys(acc[c], acc[c + 1], acc[c + 2], acc[c + 3]), s + c);
-  }
-  // head h's V rows of a chunk (ld elements apart) as pairs of consecutive keys at pair row c0 / 2
-  void gather_pairs(long h, const uint16_t* rows, long ld, long c0) {
-    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
-                                            38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-    for (long t = 0; t < kChunk / 2; ++t)
-      for (long x = 0; x < kDim; x += 32) {
-        const __m512i a = _mm512_loadu_si512(rows + 2 * t * ld + x), b = _mm512_loadu_si512(rows + (2 * t + 1) * ld + x);
-        uint32_t* o = v_pairs[h][c0 / 2 + t] + x;
-        _mm512_store_si512(o, _mm512_permutex2var_epi16(a, lo_idx, b));
-        _mm512_store_si512(o + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
-      }
-  }
   // head h's tile: P rounded to bf16 pairs, then O (4 rows x 64, in registers) += P V a pair at a time
   void tile_values(long h) {
     for (long r = 0; r < kRows; ++r)
@@ -541,6 +514,20 @@ struct DecoderBf16 : CacheRows<uint16_t> {
         _mm512_store_si512(o, _mm512_permutex2var_epi16(a, lo_idx, b));
         _mm512_store_si512(o + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
       }
+  }
+  // scores of sixteen keys of head h (rows ld elements apart) for its four rows
+  void sixteen_keys(long h, const uint16_t* keys, long ld, float* s) {
+    const uint16_t* rows[16];
+    for (int c = 0; c < 16; ++c) rows[c] = keys + c * ld;
+    sixteen_listed_keys(h, rows, s);
+  }
+  // head h's V rows of a chunk (ld elements apart) as pairs of consecutive keys at pair row c0 / 2
+  void gather_pairs(long h, const uint16_t* rows, long ld, long c0) {
+    const uint16_t* listed[kChunk];
+    long pair_row[kChunk / 2];
+    for (long c = 0; c < kChunk; ++c) listed[c] = rows + c * ld;
+    for (long t = 0; t < kChunk / 2; ++t) pair_row[t] = c0 / 2 + t;
+    gather_listed_pairs(h, listed, pair_row);
   }
   // Strand order with pairs: per tile, kStrands strands of kStrandKeys keys side by side; step k
   // reads keys 2k and 2k + 1 of every strand (a pair, consecutive rows), head by head, sixteen
