@@ -47,7 +47,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
     const at::Tensor& out, const at::Tensor& lse, double scale, int64_t causal, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                                                 const std::optional<at::Tensor>& sinks, double dropout_p,
+    const std::optional<at::Tensor>& sinks, double dropout_p,
     const std::optional<at::Tensor>& rng_state, bool mask_requires_grad, bool merged_lse) {
   const LogitOptions logit{causal, window_left, window_right, softcap, alibi_slopes, sinks};
   BackwardCall call = prepare_backward(grad_out, grad_lse, q, k, v, attn_mask, out, lse, scale,

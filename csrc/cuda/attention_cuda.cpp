@@ -107,14 +107,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
     const at::Tensor& out, const at::Tensor& lse, double scale, int64_t causal, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                                                 const std::optional<at::Tensor>& sinks, double dropout_p,
+    const std::optional<at::Tensor>& sinks, double dropout_p,
     const std::optional<at::Tensor>& rng_state, bool mask_requires_grad, bool merged_lse) {
   const LogitOptions logit{causal, window_left, window_right, softcap, alibi_slopes, sinks};
   check_cuda(q, q, "query");
   const DeviceGuard guard(q.device());
   const at::Tensor dout = dense_grad_out(grad_out, q);  // alive while the kernels read it
   BackwardCall call = prepare_backward(dout, grad_lse, q, k, v, attn_mask, out, lse, scale,
-                                             logit, dropout_p, rng_state, mask_requires_grad);
+                                       logit, dropout_p, rng_state, mask_requires_grad);
   const at::Tensor &gq = call.grad_q, &gk = call.grad_k, &gv = call.grad_v, &gmask = call.grad_mask;
   if (call.no_rows) return {gq, gk, gv, gmask};
   call.params.lse_is_merged = merged_lse;
