@@ -76,25 +76,24 @@ def _check_layout(q, k, v):
     head_groups_rule(enforce, q.shape[2], k.shape[2])
 
 
-def _band_from(causal, window_size):
+def _band_from(causal, window_size, prefix="attention_ext.flash: "):
     """FlashAttention's causal / window_size pair as this package's (causal kind, window):
-    causal=True is bottom-right causal (window (-1, 0)); -1 leaves a side unbounded."""
+    causal=True is bottom-right causal (window (-1, 0)); -1 leaves a side unbounded. (prefix: the
+    calling function's name, for its errors.)"""
     if type(causal) is bool and type(window_size) is tuple and len(window_size) == 2 and \
             type(window_size[0]) is int and type(window_size[1]) is int and min(window_size) >= -1:
         return ("bottom_right" if causal else None), window_size  # (the common case, without the checks below)
-    causal = flag(causal, "causal", "attention_ext.flash: ", integers=True)
+    causal = flag(causal, "causal", prefix, integers=True)
     try:
         left, right = window_size
     except (TypeError, ValueError):
         left = right = None
     if isinstance(window_size, (str, bytes, torch.Tensor)) or \
             any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in (left, right)):
-        raise TypeError(f"attention_ext.flash: window_size must be a pair of ints (left, right), got "
-                        f"{window_size!r}")
+        raise TypeError(f"{prefix}window_size must be a pair of ints (left, right), got {window_size!r}")
     left, right = int(left), int(right)
     if left < -1 or right < -1:
-        raise ValueError(f"attention_ext.flash: window_size values must be -1 (unbounded) or >= 0, got "
-                         f"{(left, right)}")
+        raise ValueError(f"{prefix}window_size values must be -1 (unbounded) or >= 0, got {(left, right)}")
     return ("bottom_right" if causal else None), (left, right)
 
 
@@ -117,16 +116,17 @@ def _check_softcap(softcap):
     return float(softcap)
 
 
-def _check_alibi(alibi_slopes, batch, heads):
-    """FlashAttention's alibi_slopes: float32 (heads,) or (batch, heads), one slope per query head."""
+def _check_alibi(alibi_slopes, batch, heads, prefix="attention_ext.flash: "):
+    """FlashAttention's alibi_slopes: float32 (heads,) or (batch, heads), one slope per query head.
+    (prefix: the calling function's name, for its errors.)"""
     if alibi_slopes is None:
         return
     if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32 \
             or tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
         got = f"{alibi_slopes.dtype} of shape {tuple(alibi_slopes.shape)}" if isinstance(alibi_slopes, torch.Tensor) \
             else type(alibi_slopes).__name__
-        raise TypeError(f"attention_ext.flash: alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads}) "
-                        f"(one slope per query head), got {got}")
+        raise TypeError(f"{prefix}alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads}) (one slope "
+                        f"per query head), got {got}")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

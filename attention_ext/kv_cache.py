@@ -19,11 +19,14 @@ any block_size >= 1. heads is a multiple of kv_heads (GQA/MQA, no copies). Per b
      flash_attn_func; a window side at least as long as the cache bounds nothing (FlashAttention's
      rule).
 Returns out (batch, seqlen_q, heads, head_dim_v), and softmax_lse (batch, heads, seqlen_q) with
-return_softmax_lse=True. Inference only: inputs that require grad (with grad mode on), or that carry
-forward-mode tangents, are refused (vmap works: torch runs the call once per entry). Every write is
-checked first: a cache overflow (cache_seqlens + seqlen_new beyond the cache), a block id outside the
-cache anywhere an entry reads or writes, or an expanded (stride-0) cache to append to raises before
-anything is written. A cache made under torch.inference_mode() takes appends only under it as well
+return_softmax_lse=True. Inference only: inputs that require grad (with grad mode on; rotary tables
+and ALiBi slopes too), or that carry forward-mode tangents, are refused (vmap works: torch runs the
+call once per entry). Every write is checked first: a cache overflow (cache_seqlens + seqlen_new
+beyond the cache), a block id outside the cache anywhere an entry reads or writes, two entries
+appending to one cache slot (through cache_batch_idx or a block shared in block_table; reading one
+together is fine), k_cache and v_cache in the same memory, or an expanded (stride-0) cache to append
+to raises before anything is written. New k / v that are views of a cache are copied before the
+writes, so they go in with the values they were passed with. A cache made under torch.inference_mode() takes appends only under it as well
 (torch refuses in-place updates of inference tensors outside it; FlashAttention writes through raw
 pointers and does not notice; torch.compile cannot tell, so traced calls skip this check). Under
 torch.compile the call traces whole (fullgraph=True): the checks of per-entry tensors run in an op
@@ -107,7 +110,8 @@ def _kvcache_append_fake(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                   f"{tuple(t.shape)}")
     if block_table is not None:
         check(block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == k.shape[0],
-              TypeError, lambda: f"block_table must be int32 of shape ({k.shape[0]}, max_blocks)")
+              TypeError, lambda: f"block_table must be int32 of shape ({k.shape[0]}, max_blocks), got "
+              f"{block_table.dtype} {tuple(block_table.shape)}")
     return None
 
 
@@ -132,6 +136,8 @@ def _check_per_entry(t, name, batch, device):
         got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         _fail(TypeError, f"{name} must be an int32 tensor of shape ({batch},), got {got}")
     _arguments.device_rule(_enforce, t, name, device, cpu_ok=True)
+    if t.device.type == "meta":  # (the checks and the writes read its values)
+        _fail(ValueError, f"{name} is on the meta device and holds no values: give it on the CPU (or q's device)")
 
 
 def _entry_values(cache_seqlens, cache_batch_idx, cache_leftpad, batch, capacity):
@@ -151,7 +157,8 @@ def _entry_values(cache_seqlens, cache_batch_idx, cache_leftpad, batch, capacity
 def _check_entries(lengths, rows, leftpad, block_table, cache_rows, block_size, new, capacity, batch_idx_given):
     """Every position an entry writes or reads, from the per-entry values (_entry_values) before
     anything is written: the cache's capacity, int32 ends, leftpad, cache rows and, paged
-    (block_table given; cache_rows are then its blocks of block_size slots), the block ids."""
+    (block_table given; cache_rows are then its blocks of block_size slots), the block ids; and
+    that no two entries write one slot (_check_one_writer)."""
     paged = block_table is not None
     for b in range(len(lengths)):
         if lengths[b] < 0:
@@ -186,6 +193,34 @@ def _check_entries(lengths, rows, leftpad, block_table, cache_rows, block_size, 
             b, j = (int(i) for i in bad.nonzero()[0])
             _fail(IndexError, f"block_table[{b}, {j}] = {int(block_table[b, j])} is outside the cache's {cache_rows} "
                               f"blocks (entry {b} uses its blocks {int(first[b])}..{int(stop[b]) - 1})")
+    if new > 0:
+        _check_one_writer(lengths, rows, block_table, block_size, new)
+
+
+def _check_one_writer(lengths, rows, block_table, block_size, new):
+    """Two entries writing one cache slot (a cache row named twice in cache_batch_idx, or a block
+    shared in block_table, where both append) would leave whichever was written last: refused.
+    Reading a shared row or block is fine. (Pieces: each entry's new positions cut at its blocks.)"""
+    paged = block_table is not None
+    if not paged and len(set(rows)) == len(rows):
+        return
+    pieces = []  # (block or cache row, first slot, end slot, entry)
+    table = block_table.tolist() if paged else None
+    for b, length in enumerate(lengths):
+        if not paged:
+            pieces.append((rows[b], length, length + new, b))
+            continue
+        for j in range(length // block_size, (length + new - 1) // block_size + 1):
+            lo, hi = max(length, j * block_size), min(length + new, (j + 1) * block_size)
+            pieces.append((table[b][j], lo - j * block_size, hi - j * block_size, b))
+    pieces.sort()
+    for before, piece in zip(pieces, pieces[1:]):
+        if before[0] == piece[0] and piece[1] < before[2]:
+            where = f"block {piece[0]}, slot {piece[1]}" if paged else f"cache row {piece[0]}, position {piece[1]}"
+            who = (f"entry {piece[3]} appends twice to {where} (its block_table row lists the block twice)"
+                   if before[3] == piece[3] else f"entries {before[3]} and {piece[3]} both append to {where} "
+                   f"(through {'block_table' if paged else 'cache_batch_idx'})")
+            _fail(ValueError, f"{who}: each cache slot takes one new key per call")
 
 
 def _check_rotary_reach(lengths, new, seqlen_q, local, table_rows):
@@ -287,6 +322,39 @@ def _flash_rules():
     return _FLASH_RULES
 
 
+def _byte_span(t):
+    """The bytes a strided tensor's elements lie in: [first, end) (empty for no elements)."""
+    if t.numel() == 0:
+        return 0, 0
+    first = t.data_ptr()
+    return first, first + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _dense(t):
+    """Whether t's elements fill numel() consecutive slots, in some order of its dims (no gaps, no
+    overlap): as ATen's is_non_overlapping_and_dense."""
+    size = 1
+    for st, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if st != size:
+            return False
+        size *= n
+    return True
+
+
+def _may_share_memory(a, b):
+    """Whether a and b lie in overlapping bytes (some element of each may be the same memory)."""
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _same_memory(a, b):
+    """Whether a and b certainly share elements: the same first element, or two dense tensors in
+    overlapping bytes (ATen's full and partial overlap; interleaved views, as a packed KV cache's
+    two halves, are not)."""
+    return a.numel() > 0 and b.numel() > 0 and (a.data_ptr() == b.data_ptr() or
+                                                 (_dense(a) and _dense(b) and _may_share_memory(a, b)))
+
+
 def _heads_first(cache):
     """A (rows or blocks, length, kv_heads, d) cache as the view (rows, kv_heads, 1, length, d)."""
     rows, length, kv_heads, d = cache.shape
@@ -379,6 +447,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 _fail(ValueError, f"{name} is an expanded view (stride 0 in dim {shared[0]}, shape "
                                   f"{tuple(cache.shape)}): appending k / v would write one memory row for several "
                                   "entries; give the cache its own memory (e.g. .clone())")
+        if k_cache.device.type != "meta" and not torch.compiler.is_compiling() and \
+                not torch._C._are_functorch_transforms_active():
+            # Caches that are one memory would each take the other's new rows.
+            if _same_memory(k_cache, v_cache):
+                _fail(ValueError, "k_cache and v_cache are the same memory: appending k / v would write each "
+                                  "over the other; give them memory of their own")
+            # New rows that are a view of a cache would be overwritten while they are copied in:
+            # copied first (rows as the caller passed them).
+            if any(_may_share_memory(new_rows, cache) for new_rows in (k, v) for cache in (k_cache, v_cache)):
+                k, v = k.clone(), v.clone()
     if forward_ad_possible():
         _refuse_forward_ad(((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (k, "k"), (v, "v"),
                             (rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")))
@@ -388,7 +466,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                           f"{tuple(k_cache.shape)} (num_blocks, block_size, kv_heads, head_dim)")
     kv_heads, device = k_cache.shape[2], q.device
     _band_from, _check_alibi = _flash_rules()
-    _, (window_left, window_right) = _band_from(causal, window_size)
+    _, (window_left, window_right) = _band_from(causal, window_size, _PREFIX)
     if causal:
         window_right = 0
     scale = _check_scale(softmax_scale, q)
@@ -402,7 +480,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
                 or block_table.shape[0] != batch:
-            _fail(TypeError, f"block_table must be an int32 tensor of shape ({batch}, max_blocks)")
+            got = (f"{block_table.dtype} of shape {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor)
+                   else type(block_table).__name__)
+            _fail(TypeError, f"block_table must be an int32 tensor of shape ({batch}, max_blocks), got {got}")
         _arguments.device_rule(_enforce, block_table, "block_table", device, cpu_ok=True)
         if cache_batch_idx is not None:
             _fail(ValueError, "cache_batch_idx cannot be combined with block_table (the table names each "
@@ -445,9 +525,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     groups = heads // kv_heads
     slopes = alibi_slopes
     if slopes is not None:
-        _check_alibi(slopes, batch, heads)
+        _check_alibi(slopes, batch, heads, _PREFIX)
         if slopes.device != device:
             _fail(ValueError, f"alibi_slopes must be on q's device {device}, got {slopes.device}")
+        if torch.is_grad_enabled() and slopes.requires_grad:
+            _fail(RuntimeError, "alibi_slopes requires grad: this is an inference function (no backward); call it "
+                                "under torch.no_grad() or pass detached slopes")
         slopes = slopes.unflatten(-1, (kv_heads, groups))
 
     if batch == 0:  # nothing to write or attend to
@@ -461,7 +544,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if not isinstance(table, torch.Tensor) or not table.is_floating_point() or table.device != device:
                 got = f"{table.dtype} on {table.device}" if isinstance(table, torch.Tensor) else type(table).__name__
                 _fail(TypeError, f"{name} must be a floating tensor on {device}, got {got}")
-        # (tables that require grad would record the rotation and the cache writes in a graph)
+            if torch.is_grad_enabled() and table.requires_grad:
+                _fail(RuntimeError, f"{name} requires grad: this is an inference function (no backward); call it "
+                                    "under torch.no_grad() or pass detached tensors")
+        # (tables may still require grad under no_grad: detached, the rotation records nothing)
         rotary_cos, rotary_sin = rotary_cos.detach(), rotary_sin.detach()
         if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or 2 * rotary_cos.shape[1] > q.shape[-1]:
             _fail(ValueError, f"rotary_cos / rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "

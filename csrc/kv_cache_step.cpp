@@ -10,6 +10,8 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace attention_ext {
@@ -29,6 +31,53 @@ std::vector<int64_t> per_entry_values(const at::Tensor& t) {
   std::vector<int64_t> out(values.size(0));
   for (int64_t b = 0; b < values.size(0); ++b) out[b] = values[b];
   return out;
+}
+
+// The bytes a strided tensor's elements lie in, [first, end) (kv_cache.py's _byte_span).
+std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  if (t.numel() == 0) return {0, 0};
+  int64_t last = 0;
+  for (int64_t dim = 0; dim < t.dim(); ++dim) last += (t.size(dim) - 1) * t.stride(dim);
+  const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {first, first + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+
+bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {  // (_may_share_memory)
+  const auto [a0, a1] = byte_span(a);
+  const auto [b0, b1] = byte_span(b);
+  return a0 < b1 && b0 < a1;
+}
+
+bool same_memory(const at::Tensor& a, const at::Tensor& b) {  // (_same_memory)
+  return a.numel() > 0 && b.numel() > 0 &&
+         (a.data_ptr() == b.data_ptr() ||
+          (a.is_non_overlapping_and_dense() && b.is_non_overlapping_and_dense() && may_share_memory(a, b)));
+}
+
+// Whether two entries' new keys go to one cache slot (kv_cache.py's _check_one_writer): each
+// entry's positions [lengths[b], lengths[b] + new) cut at its blocks (paged) or in its cache row.
+bool two_writers(const std::vector<int64_t>& lengths, const std::vector<int64_t>& rows,
+                 const std::optional<at::TensorAccessor<int32_t, 2>>& table, int64_t block_size, int64_t new_keys) {
+  struct Piece {
+    int64_t where, first, end;
+  };
+  std::vector<Piece> pieces;
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    const int64_t length = lengths[b];
+    if (!table.has_value()) {
+      pieces.push_back({rows.empty() ? int64_t(b) : rows[b], length, length + new_keys});
+      continue;
+    }
+    for (int64_t j = length / block_size; j <= (length + new_keys - 1) / block_size; ++j)
+      pieces.push_back({(*table)[b][j], std::max(length, j * block_size) - j * block_size,
+                        std::min(length + new_keys, (j + 1) * block_size) - j * block_size});
+  }
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& x, const Piece& y) {
+    return x.where != y.where ? x.where < y.where : x.first < y.first;
+  });
+  for (size_t i = 1; i < pieces.size(); ++i)
+    if (pieces[i].where == pieces[i - 1].where && pieces[i].first < pieces[i - 1].end) return true;
+  return false;
 }
 
 at::Tensor int32_tensor(const std::vector<int64_t>& values) {
@@ -86,6 +135,12 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
         if (cache->stride(dim) == 0 && cache->size(dim) > 1) return std::nullopt;
       if (!c10::InferenceMode::is_enabled() && cache->is_inference()) return std::nullopt;
     }
+    // caches that are one memory (refused there), or new rows that are a view of a cache (copied
+    // there before they are written)
+    if (same_memory(k_cache, v_cache)) return std::nullopt;
+    for (const at::Tensor* rows : {&k, &v})
+      for (const at::Tensor* cache : {&k_cache, &v_cache})
+        if (may_share_memory(*rows, *cache)) return std::nullopt;
   }
   // The cache's capacity and the per-entry arguments (_check_per_entry, the block table's rules).
   const bool paged = a.block_table.has_value();
@@ -123,13 +178,18 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
         if ((*table)[b][j] < 0 || (*table)[b][j] >= cache_rows) return std::nullopt;
     }
   }
+  // Two entries appending to one slot: refused by the Python path.
+  if (new_keys > 0 && (paged || !rows.empty()) && two_writers(lengths, rows, table, cache_length, new_keys))
+    return std::nullopt;
   // ALiBi slopes: one per query head, or per entry and query head (flash.py's _check_alibi).
   OptTensor slopes;
   if (a.alibi_slopes.has_value()) {
     const at::Tensor& s = *a.alibi_slopes;
     const bool per_head = s.dim() == 1 && s.size(0) == heads;
     const bool per_entry = s.dim() == 2 && s.size(0) == batch && s.size(1) == heads;
-    if (s.scalar_type() != at::kFloat || !(per_head || per_entry) || !s.device().is_cpu()) return std::nullopt;
+    if (s.scalar_type() != at::kFloat || !(per_head || per_entry) || !s.device().is_cpu() ||
+        (grad_mode && s.requires_grad()))
+      return std::nullopt;
     slopes = s.detach().unflatten(-1, {kv_heads, heads / kv_heads});
   }
   // FlashAttention's window (-1: unbounded), causal its right side 0; a side at least the cache's
@@ -152,7 +212,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
     if (!a.rotary_cos.has_value() || !a.rotary_sin.has_value() || !append) return std::nullopt;
     const at::Tensor &cos = *a.rotary_cos, &sin = *a.rotary_sin;
     for (const at::Tensor* t : {&cos, &sin})
-      if (!supported_dtype(t->scalar_type()) || !t->device().is_cpu() || t->dim() != 2) return std::nullopt;
+      if (!supported_dtype(t->scalar_type()) || !t->device().is_cpu() || t->dim() != 2 ||
+          (grad_mode && t->requires_grad()))
+        return std::nullopt;
     if (cos.sizes() != sin.sizes() || 2 * cos.size(1) > d) return std::nullopt;
     const int64_t longest = *std::max_element(lengths.begin(), lengths.end());  // (batch > 0)
     const int64_t last = std::max(new_keys > 0 ? longest + new_keys - 1 : int64_t{-1},

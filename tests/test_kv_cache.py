@@ -315,16 +315,25 @@ BAD = [
     (dict(k_list=True), TypeError, "k must be a torch.Tensor"),
     (dict(cache_seqlens=-1), ValueError, r"cache_seqlens\[0\] = -1 must be >= 0"),
     (dict(sparse_q=True), TypeError, r"q must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
+    (dict(cache_batch_idx=torch.tensor([0, 1, 1], dtype=torch.int32), cache_seqlens=torch.tensor([1, 2, 2],
+          dtype=torch.int32)), ValueError, "entries 1 and 2 both append to cache row 1, position 2 "
+     r"\(through cache_batch_idx\): each cache slot takes one new key per call"),
+    (dict(shared_block=True), ValueError, r"entries 0 and 1 both append to block 7, slot 1 \(through block_table\)"),
+    (dict(same_caches=True), ValueError, "k_cache and v_cache are the same memory"),
+    (dict(int64_table=True), TypeError, r"block_table must be an int32 tensor of shape \(3, max_blocks\), got "
+     r"torch.int64 of shape \(3, 5\)"),
 ]
 
 
 @pytest.mark.parametrize("bad,error,message", BAD, ids=[b[2][:28] for b in BAD])
 def test_bad_arguments_raise_before_anything_is_written(bad, error, message):
-    paged = any(bad.get(key) for key in ("bad_block", "bad_read_block", "meta_table"))
+    paged = any(bad.get(key) for key in ("bad_block", "bad_read_block", "meta_table", "shared_block", "int64_table"))
     cache = Cache(4, 50, 2, 8, torch.float32, 10 if paged else None, torch.Generator().manual_seed(0))
     k_cache, v_cache, extra = cache.tensors()
     if bad.get("expanded"):  # every entry's row one memory row
         k_cache, v_cache = (t[:1].expand_as(t) for t in (k_cache, v_cache))
+    if bad.get("same_caches"):
+        v_cache = k_cache
     before = k_cache.clone()
     q = torch.randn(3, 1, 4, 8)
     new = bad.get("new", 1)
@@ -344,7 +353,7 @@ def test_bad_arguments_raise_before_anything_is_written(bad, error, message):
         q.requires_grad_()
     if bad.get("dtype_mismatch"):
         k_new = k_new.double()
-    if bad.get("bad_block") or bad.get("bad_read_block") or bad.get("meta_table"):
+    if bad.get("bad_block") or bad.get("bad_read_block") or bad.get("meta_table") or bad.get("shared_block"):
         extra["block_table"] = extra["block_table"][:3].clone()
     if bad.get("bad_block"):  # where entry 2's new key goes
         extra["block_table"][2, 0] = 99
@@ -353,6 +362,11 @@ def test_bad_arguments_raise_before_anything_is_written(bad, error, message):
         extra["block_table"][0, 0] = 99
     if bad.get("meta_table"):
         extra["block_table"] = extra["block_table"].to("meta")
+    if bad.get("shared_block"):  # entries 0 and 1 append at position 1 of one block
+        kwargs["cache_seqlens"] = torch.tensor([1, 1, 3], dtype=torch.int32)
+        extra["block_table"][0, 0] = extra["block_table"][1, 0] = 7
+    if bad.get("int64_table"):
+        extra["block_table"] = extra["block_table"][:3].long()
     if bad.get("rotary_int"):
         kwargs.update(rotary_cos=torch.ones(60, 4, dtype=torch.int64), rotary_sin=torch.zeros(60, 4, dtype=torch.int64))
     if bad.get("k_list"):
@@ -364,16 +378,95 @@ def test_bad_arguments_raise_before_anything_is_written(bad, error, message):
     assert torch.equal(k_cache, before)
 
 
-def test_rotary_tables_that_require_grad_leave_no_graph_on_the_cache():
-    """Only the inputs are refused when they require grad; tables that do must not make the rotated
-    keys, and so the cache they are written into, part of a graph (the next step would then be
-    refused as a cache that requires grad)."""
+@pytest.mark.parametrize("which", ["rotary", "alibi"])
+def test_rotary_tables_and_alibi_slopes_that_require_grad_are_refused_and_under_no_grad_leave_no_graph(which):
+    """The function has no backward: rotary tables or ALiBi slopes that require grad are refused
+    with grad mode on, as q and the caches are (their gradients would otherwise be dropped without a
+    word). Under no_grad they are taken, and make neither the rotated keys, nor so the cache they
+    are written into, part of a graph (the next step would then be refused as a cache that requires
+    grad)."""
     k_cache, v_cache = torch.zeros(1, 8, 1, 4), torch.zeros(1, 8, 1, 4)
     cos, sin = (t.requires_grad_() for t in rotary_tables(8, 4))
+    slopes = torch.rand(1, requires_grad=True)
+    extra = dict(rotary_cos=cos, rotary_sin=sin) if which == "rotary" else dict(alibi_slopes=slopes)
+    name = "rotary_cos" if which == "rotary" else "alibi_slopes"
     for step in range(2):
-        out = flash_attn_with_kvcache(torch.randn(1, 1, 1, 4), k_cache, v_cache, torch.randn(1, 1, 1, 4),
-                                      torch.randn(1, 1, 1, 4), cos, sin, cache_seqlens=step)
+        args = (torch.randn(1, 1, 1, 4), k_cache, v_cache, torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+        with pytest.raises(RuntimeError, match=f"flash_attn_with_kvcache: {name} requires grad: this is an "
+                                               "inference function"):
+            flash_attn_with_kvcache(*args, cache_seqlens=step, **extra)
+        assert torch.equal(k_cache[0, step], torch.zeros(1, 4))  # (refused before the append)
+        with torch.no_grad():
+            out = flash_attn_with_kvcache(*args, cache_seqlens=step, **extra)
         assert not k_cache.requires_grad and k_cache.grad_fn is None and not out.requires_grad
+        assert not torch.equal(k_cache[0, step], torch.zeros(1, 4))
+
+
+def test_meta_tensors_run_shape_only_but_per_entry_arguments_need_values():
+    """On the meta device the call gives the output's shape (what shape inference needs), while the
+    per-entry arguments, whose values every check and write reads, must be real tensors."""
+    q, k_cache, v_cache = (torch.empty(*shape, device="meta") for shape in ((1, 1, 2, 8), (1, 16, 1, 8),
+                                                                              (1, 16, 1, 8)))
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([3], dtype=torch.int32))
+    assert out.shape == (1, 1, 2, 8) and out.device.type == "meta"
+    with pytest.raises(ValueError, match="cache_seqlens is on the meta device and holds no values: give it on the "
+                                         "CPU"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([3], dtype=torch.int32,
+                                                                                device="meta"))
+
+
+@pytest.mark.parametrize("python_path", [False, True], ids=["cxx_step", "python_path"])
+@pytest.mark.parametrize("source", ["ahead", "behind", "v_cache"])
+def test_new_rows_that_are_a_view_of_a_cache_are_written_as_passed(python_path, source, monkeypatch):
+    """k / v that are views of the cache itself (slots just before or after the ones written, or of
+    the other cache) go in with the values they had when the call began: they are copied first
+    where they share memory with a cache. Copied row by row in place, a second new row would read a
+    slot the first had just overwritten."""
+    if python_path:
+        monkeypatch.setattr(attention_ext._ops, "KVCACHE_STEP", None)
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(1, 16, 2, 4, generator=g), torch.randn(1, 16, 2, 4, generator=g)
+    views = {"ahead": (k_cache[:, 4:7], v_cache[:, 4:7]), "behind": (k_cache[:, 6:9], v_cache[:, 6:9]),
+             "v_cache": (v_cache[:, 4:7], k_cache[:, 4:7])}
+    k, v = views[source]
+    want_k, want_v = k.clone(), v.clone()
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    q = torch.randn(1, 1, 4, 4, generator=g)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([5], dtype=torch.int32))
+    assert torch.equal(k_cache[:, 5:8], want_k) and torch.equal(v_cache[:, 5:8], want_v)
+    outside = torch.ones(16, dtype=torch.bool)
+    outside[5:8] = False
+    assert torch.equal(k_cache[:, outside], k_before[:, outside]) and torch.equal(v_cache[:, outside],
+                                                                                  v_before[:, outside])
+    want = reference_call(q, k_before, v_before, want_k, want_v, [5], [0], [0])[0]
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_caches_that_share_memory_without_sharing_slots_take_appends():
+    """Refused as the same memory: k_cache and v_cache with a common first element, or dense views
+    whose bytes overlap. Taken: caches in one tensor that share no element, as a packed cache's K and
+    V halves (kv[:, :, 0] and kv[:, :, 1]); two entries appending to disjoint positions of one cache
+    row; entries reading one row or block together."""
+    kv = torch.zeros(2, 8, 2, 1, 4)
+    q, k, v = torch.randn(2, 1, 1, 4), torch.ones(2, 1, 1, 4), torch.full((2, 1, 1, 4), 2.0)
+    flash_attn_with_kvcache(q, kv[:, :, 0], kv[:, :, 1], k, v, cache_seqlens=torch.tensor([0, 3], dtype=torch.int32))
+    assert torch.equal(kv[0, 0, 0], k[0, 0]) and torch.equal(kv[0, 0, 1], v[0, 0])
+    assert torch.equal(kv[1, 3, 0], k[1, 0]) and torch.equal(kv[1, 3, 1], v[1, 0])
+    memory = torch.zeros(68)
+    cache = memory[:64].view(2, 8, 1, 4)
+    with pytest.raises(ValueError, match="k_cache and v_cache are the same memory"):
+        flash_attn_with_kvcache(q, cache, cache[:, :], k, v, cache_seqlens=0)
+    with pytest.raises(ValueError, match="k_cache and v_cache are the same memory"):  # one slot apart
+        flash_attn_with_kvcache(q, cache, memory[4:].view(2, 8, 1, 4), k, v, cache_seqlens=0)
+    assert not memory.any()
+    k_cache, v_cache = torch.zeros(1, 8, 1, 4), torch.zeros(1, 8, 1, 4)
+    one_row = torch.zeros(2, dtype=torch.int32)
+    flash_attn_with_kvcache(q, k_cache, v_cache, k * torch.tensor([[[[1.0]]], [[[3.0]]]]), v, cache_seqlens=torch.tensor(
+        [2, 5], dtype=torch.int32), cache_batch_idx=one_row)
+    assert k_cache[0, 2, 0, 0] == 1.0 and k_cache[0, 5, 0, 0] == 3.0
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([6, 6], dtype=torch.int32),
+                                  cache_batch_idx=one_row)
+    assert out.shape == (2, 1, 1, 4)
 
 
 def test_the_append_is_an_in_place_update_for_autograd_and_inference_mode():
@@ -544,6 +637,12 @@ STEP_DECLINES = {  # what the C++ step leaves to the Python path (which computes
                               rotary_sin=torch.zeros(40, 8, dtype=torch.int32)),
     "rotary tables short of the positions": dict(rotary_cos=torch.ones(8, 8), rotary_sin=torch.zeros(8, 8)),
     "rotary tables of one row": dict(rotary_cos=torch.ones(8), rotary_sin=torch.zeros(8)),
+    "rotary tables that require grad": dict(rotary_cos=torch.ones(40, 8, requires_grad=True),
+                                            rotary_sin=torch.zeros(40, 8)),
+    "ALiBi slopes that require grad": dict(alibi_slopes=torch.ones(8, requires_grad=True)),
+    "new rows that are a view of the cache": dict(new_from_cache=True),
+    "caches that are one memory": dict(same_caches=True),
+    "two entries appending to one slot": dict(cache_batch_idx=[0, 1, 1], cache_seqlens=[7, 30, 30]),
 }
 if hasattr(torch, "float8_e4m3fn"):  # (a float dtype the rotary op does not take: the Python path's torch ops)
     STEP_DECLINES["float8 rotary tables"] = dict(rotary_cos=torch.ones(40, 8).to(torch.float8_e4m3fn),
@@ -558,6 +657,12 @@ def test_the_cxx_step_declines_what_it_does_not_take_and_writes_nothing(name):
     q, k_cache, v_cache, k_new, v_new, kwargs = step_arguments("paged" if bad.get("paged") else "contiguous",
                                                                 dict(new=1, cache_seqlens="tensor"))
     seqlens = bad.get("cache_seqlens", kwargs["cache_seqlens"])
+    if isinstance(seqlens, list):
+        seqlens = torch.tensor(seqlens, dtype=torch.int32)
+    if bad.get("new_from_cache"):
+        k_new, v_new = k_cache[:3, 1:2], v_cache[:3, 1:2]
+    if bad.get("same_caches"):
+        v_cache = k_cache
     if "seqlens_dtype" in bad:
         seqlens = seqlens.to(bad["seqlens_dtype"])
     if bad.get("v_only_missing"):
