@@ -101,6 +101,10 @@ def _attention_bwd_fake(grad_out, grad_lse, query, key, value, attn_mask, out, l
             _arguments.check_traced(tuple(t.shape) == tuple(shape), ValueError,
                                     lambda t=t, name=name, shape=shape: f"{name} must have shape {tuple(shape)}, got "
                                     f"{tuple(t.shape)}")
+    _arguments.check_traced(grad_lse is None or grad_lse.is_floating_point(), TypeError,
+                            lambda: f"grad_lse must be a floating tensor, got {grad_lse.dtype}")
+    _arguments.check_traced(not mask_requires_grad or (attn_mask is not None and attn_mask.is_floating_point()),
+                            ValueError, lambda: "a mask gradient needs a floating attn_mask")
     grad_mask = torch.empty_like(attn_mask, memory_format=torch.contiguous_format) if mask_requires_grad \
         else query.new_empty((0,))
     return (

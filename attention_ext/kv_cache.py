@@ -86,6 +86,8 @@ def _rotary_fake(x, cos, sin, start, per_row, interleaved):
     check(start.dtype == torch.int32 and tuple(start.shape) == (x.shape[0],), TypeError,
           lambda: f"the rotary start positions must be int32 of shape ({x.shape[0]},), got {start.dtype} of shape "
                   f"{tuple(start.shape)}")
+    for t, name in ((cos, "rotary_cos"), (sin, "rotary_sin"), (start, "the rotary start positions")):
+        _arguments.device_rule(check, t, name, x.device, cpu_ok=t is start)
     return x.new_empty(x.shape)
 
 
@@ -108,6 +110,10 @@ def _kvcache_append_fake(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
             check(t.dtype == torch.int32 and tuple(t.shape) == (k.shape[0],), TypeError,
                   lambda t=t, name=name: f"{name} must be int32 of shape ({k.shape[0]},), got {t.dtype} "
                   f"{tuple(t.shape)}")
+    for t, name in ((cache_seqlens, "cache_seqlens"), (cache_batch_idx, "cache_batch_idx"),
+                    (block_table, "block_table")):
+        if t is not None:  # (on a device of their own, a real call would read no values from them)
+            _arguments.device_rule(check, t, name, k_cache.device, cpu_ok=True)
     if block_table is not None:
         check(block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == k.shape[0],
               TypeError, lambda: f"block_table must be int32 of shape ({k.shape[0]}, max_blocks), got "
@@ -604,12 +610,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if cpu_ops:
             if starts is None:
                 starts = _starts(cache_seqlens, lengths)
+            # (an in-place op: it bumps the caches' version counters, so autograd notices a saved
+            # cache written since)
             _step_op(ops.attention_kvcache_append, k_cache, v_cache, k, v, starts, cache_batch_idx, block_table)
-            # (as an in-place op: autograd notices a saved cache written since; a traced graph's
-            # mutation of an input is torch.compile's to account for)
-            for cache in (k_cache, v_cache) if not torch.compiler.is_compiling() else ():
-                if not cache.is_inference():
-                    torch.autograd.graph.increment_version(cache)
         else:
             if positions is None:
                 positions = _start_column(cache_seqlens, lengths, device) + torch.arange(new, device=device)

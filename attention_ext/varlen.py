@@ -38,11 +38,16 @@ def _packed_batch(query, key, value):
 
 
 def _check_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, window_left, window_right, softcap,
-                sinks, dropout_p, rng_state):
+                sinks, dropout_p, rng_state, **on_query_device):
+    """The ops' rules that need no values; on_query_device: the other tensors given (alibi_slopes,
+    and the backward's grad_out, grad_lse, out, lse), which must be on the query's device."""
     check = _arguments.check_traced
     _arguments.op_rules(check, query, key, value, None, scale, causal, window_left, window_right, softcap, None,
                         sinks, dropout_p, rng_state)
     cu_rules(check, query, cu_seqlens_q, cu_seqlens_k, causal)
+    for name, t in on_query_device.items():
+        if t is not None:
+            _arguments.device_rule(check, t, name, query.device)
 
 
 def cu_rules(check, query, cu_seqlens_q, cu_seqlens_k, causal) -> None:
@@ -63,7 +68,7 @@ def cu_rules(check, query, cu_seqlens_q, cu_seqlens_k, causal) -> None:
 def _varlen_fwd_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                      window_left, window_right, softcap, alibi_slopes, sinks, dropout_p, rng_state):
     _check_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, window_left, window_right, softcap,
-                sinks, dropout_p, rng_state)
+                sinks, dropout_p, rng_state, alibi_slopes=alibi_slopes)
     batch = _packed_batch(query, key, value)
     nd = len(batch)
     # Laid out (total_q, batch..., d_v), seen as (batch..., total_q, d_v), as the kernels allocate it.
@@ -77,7 +82,8 @@ def _varlen_bwd_fake(grad_out, grad_lse, query, key, value, cu_seqlens_q, cu_seq
                      out, lse, scale, causal, window_left, window_right, softcap, alibi_slopes, sinks, dropout_p,
                      rng_state):
     _check_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, window_left, window_right, softcap,
-                sinks, dropout_p, rng_state)
+                sinks, dropout_p, rng_state, alibi_slopes=alibi_slopes, grad_out=grad_out, grad_lse=grad_lse, out=out,
+                lse=lse)
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (query, key, value))
 
 

@@ -1,12 +1,39 @@
 #include "kv_cache.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <numeric>
 
 namespace attention_ext {
+
+namespace {
+// The bytes a strided tensor's elements lie in, [first, end) (none for no elements).
+std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  if (t.numel() == 0) return {0, 0};
+  int64_t last = 0;
+  for (int64_t dim = 0; dim < t.dim(); ++dim) last += (t.size(dim) - 1) * t.stride(dim);
+  const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {first, first + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+}  // namespace
+
+bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
+  const auto [a0, a1] = byte_span(a);
+  const auto [b0, b1] = byte_span(b);
+  return a0 < b1 && b0 < a1;
+}
+
+bool same_memory(const at::Tensor& a, const at::Tensor& b) {
+  return a.numel() > 0 && b.numel() > 0 &&
+         (a.data_ptr() == b.data_ptr() ||
+          (a.is_non_overlapping_and_dense() && b.is_non_overlapping_and_dense() && may_share_memory(a, b)));
+}
 
 // A per-entry int32 vector argument (B,), on q's device or the CPU, read to the host (kv_cache.h).
 std::vector<int64_t> read_per_entry(const at::Tensor& t, const char* name, int64_t batch, const at::Tensor& q) {
@@ -239,6 +266,22 @@ void kv_cache_append(const at::Tensor& k_cache, const at::Tensor& v_cache, const
                 t.scalar_type(), ", ", t.device());
   TORCH_CHECK(k_cache.device().is_cpu(), "attention_ext: attention_kvcache_append writes CPU caches (on other ",
               "devices flash_attn_with_kvcache appends with index_put_), got ", k_cache.device());
+  // An in-place update, with torch's rules for one: no cache that requires grad while grad mode is
+  // on, no inference tensor outside inference mode, no cache several of whose elements are one
+  // memory place (stride 0), and K and V not one memory.
+  for (const auto& [cache, name] :
+       {std::pair<const at::Tensor&, const char*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {
+    TORCH_CHECK(!(c10::GradMode::is_enabled() && cache.requires_grad()), "attention_ext: ", name,
+                " requires grad: the append writes it in place (call it under torch.no_grad())");
+    TORCH_CHECK(!cache.is_inference() || c10::InferenceMode::is_enabled(), "attention_ext: ", name,
+                " is an inference tensor: appending to it in place works only under torch.inference_mode()");
+    for (int64_t dim = 0; dim < 4; ++dim)
+      TORCH_CHECK_VALUE(cache.stride(dim) != 0 || cache.size(dim) <= 1, "attention_ext: ", name,
+                        " is an expanded view (stride 0 in dim ", dim, ", shape ", cache.sizes(),
+                        "): appending would write one memory place for several elements");
+  }
+  TORCH_CHECK_VALUE(!same_memory(k_cache, v_cache), "attention_ext: k_cache and v_cache are the same memory: ",
+                    "appending would write each over the other");
   const int64_t batch = k.size(0), fresh = k.size(1), heads = k.size(2);
   const std::vector<int64_t> start = read_per_entry(cache_seqlens, "cache_seqlens", batch, k_cache);
   std::vector<int64_t> row(batch);
@@ -276,11 +319,27 @@ void kv_cache_append(const at::Tensor& k_cache, const at::Tensor& v_cache, const
       v_offset[b * fresh + t] = first * v_cache.stride(0) + second * v_cache.stride(1);
     }
   }
+  // No two new rows to one slot (an entry's row named twice, a block shared by two entries' new
+  // positions, or listed twice in one entry's table): whichever came last would stay.
+  std::vector<int64_t> order(batch * fresh);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return k_offset[x] < k_offset[y]; });
+  for (size_t i = 1; i < order.size(); ++i) {
+    const int64_t x = std::min(order[i - 1], order[i]), y = std::max(order[i - 1], order[i]);
+    TORCH_CHECK_VALUE(k_offset[x] != k_offset[y], "attention_ext: entry ", x / fresh, "'s new row ", x % fresh,
+                      " and entry ", y / fresh, "'s new row ", y % fresh,
+                      " go to one cache slot: each slot takes one new key per call");
+  }
   if (batch == 0 || fresh == 0 || heads == 0) return;
+  // New rows that are a view of a cache go in as they were passed: copied first.
+  const auto own = [&](const at::Tensor& rows) {
+    return may_share_memory(rows, k_cache) || may_share_memory(rows, v_cache) ? rows.clone() : rows;
+  };
+  const at::Tensor k_rows = own(k), v_rows = own(v);
   const int64_t bytes = k_cache.element_size();
   for (const auto& [cache, src, offset] :
-       {std::tuple<const at::Tensor&, const at::Tensor&, const std::vector<int64_t>&>{k_cache, k, k_offset},
-        {v_cache, v, v_offset}}) {
+       {std::tuple<const at::Tensor&, const at::Tensor&, const std::vector<int64_t>&>{k_cache, k_rows, k_offset},
+        {v_cache, v_rows, v_offset}}) {
     if (src.size(3) == 0) continue;  // head dim 0: nothing to copy, and the data pointers may be null
     char* dst = static_cast<char*>(cache.data_ptr());
     const char* from = static_cast<const char*>(src.data_ptr());
@@ -291,6 +350,9 @@ void kv_cache_append(const at::Tensor& k_cache, const at::Tensor& v_cache, const
                    from + (b * src.stride(0) + t * src.stride(1) + h * src.stride(2)) * bytes, src.stride(3),
                    src.size(3), bytes);
   }
+  // As torch's in-place ops: autograd notices a saved cache written since.
+  for (const at::Tensor* cache : {&k_cache, &v_cache})
+    if (!cache->is_inference()) cache->unsafeGetTensorImpl()->bump_version();
 }
 
 }  // namespace attention_ext

@@ -24,6 +24,14 @@
 
 namespace attention_ext {
 
+// Whether a and b lie in overlapping bytes, so that some element of each may be the same memory
+// (new rows taken from a cache are copied before they are written into it).
+bool may_share_memory(const at::Tensor& a, const at::Tensor& b);
+// Whether a and b certainly share elements: the same first element, or two dense tensors in
+// overlapping bytes (ATen's full and partial overlap; interleaved views such as a packed cache's K
+// and V halves are not). Caches that are one memory cannot both take appends.
+bool same_memory(const at::Tensor& a, const at::Tensor& b);
+
 struct KVCacheCall {
   AttentionShape shape;  // batch = the head dims; n = query rows, m = the cache's rows (or block size)
   int64_t batch = 0;     // B

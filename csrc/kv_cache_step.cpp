@@ -1,5 +1,6 @@
 #include "kv_cache_step.h"
 
+#include "kv_cache.h"
 #include "op_arguments.h"
 #include "op_handles.h"
 
@@ -31,27 +32,6 @@ std::vector<int64_t> per_entry_values(const at::Tensor& t) {
   std::vector<int64_t> out(values.size(0));
   for (int64_t b = 0; b < values.size(0); ++b) out[b] = values[b];
   return out;
-}
-
-// The bytes a strided tensor's elements lie in, [first, end) (kv_cache.py's _byte_span).
-std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
-  if (t.numel() == 0) return {0, 0};
-  int64_t last = 0;
-  for (int64_t dim = 0; dim < t.dim(); ++dim) last += (t.size(dim) - 1) * t.stride(dim);
-  const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
-  return {first, first + static_cast<uintptr_t>((last + 1) * t.element_size())};
-}
-
-bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {  // (_may_share_memory)
-  const auto [a0, a1] = byte_span(a);
-  const auto [b0, b1] = byte_span(b);
-  return a0 < b1 && b0 < a1;
-}
-
-bool same_memory(const at::Tensor& a, const at::Tensor& b) {  // (_same_memory)
-  return a.numel() > 0 && b.numel() > 0 &&
-         (a.data_ptr() == b.data_ptr() ||
-          (a.is_non_overlapping_and_dense() && b.is_non_overlapping_and_dense() && may_share_memory(a, b)));
 }
 
 // Whether two entries' new keys go to one cache slot (kv_cache.py's _check_one_writer): each
@@ -237,10 +217,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kv_cache_step(const KVCacheSte
     }
     if (append && new_keys > 0) {  // (no rows: nothing written, no version bump, as in Python)
       op_handles::handle<op_handles::KVCacheAppendSig, op_handles::kKVCacheAppend>()
-          .call(k_cache, v_cache, k_rows, *a.v, starts, a.batch_idx, a.block_table);
-      // As for an in-place op: autograd notices a saved cache written since.
-      for (const at::Tensor* cache : {&k_cache, &v_cache})
-        if (!cache->is_inference()) cache->unsafeGetTensorImpl()->bump_version();
+          .call(k_cache, v_cache, k_rows, *a.v, starts, a.batch_idx, a.block_table);  // (it bumps their versions)
     }
     std::vector<int64_t> ends;
     if (new_keys > 0 || !a.seqlens.has_value()) {

@@ -325,9 +325,9 @@ BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at
               "attention_ext: lse must have shape ", at::IntArrayRef(lse_shape), " and dtype ",
               stat_dtype, ", got ", lse.sizes(), " ", lse.scalar_type());
   if (grad_lse.has_value())
-    TORCH_CHECK(grad_lse->sizes() == at::IntArrayRef(lse_shape),
-                "attention_ext: grad_lse must have shape ", at::IntArrayRef(lse_shape), ", got ",
-                grad_lse->sizes());
+    TORCH_CHECK(grad_lse->sizes() == at::IntArrayRef(lse_shape) && grad_lse->is_floating_point(),
+                "attention_ext: grad_lse must be a floating tensor of shape ", at::IntArrayRef(lse_shape), ", got ",
+                grad_lse->sizes(), " ", grad_lse->scalar_type());
   for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&grad_out, "grad_out"},
                                 {&out, "out"},
                                 {&lse, "lse"},

@@ -82,9 +82,9 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("cpu_stream_read_gbps(Tensor buffer) -> float", &attention_ext::cpu::stream_read_gbps);
 }
 
-// The append and the rotary before it, for CPU caches, in every build (their caller,
-// flash_attn_with_kvcache, bumps the caches' version counters and refuses inference tensors
-// outside inference mode, as torch's in-place ops do; on other devices it appends with index_put_
+// The append and the rotary before it, for CPU caches, in every build (the append follows torch's
+// rules for in-place ops itself: it bumps the caches' version counters and refuses inference
+// tensors outside inference mode; on other devices flash_attn_with_kvcache appends with index_put_
 // and rotates with torch ops).
 TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
   m.impl("attention_kvcache_append", &attention_ext::kv_cache_append);

@@ -803,20 +803,84 @@ calls = [
     (kc, vc, k, torch.randn(2, 1, 2, 5), i32(3, 3), None, None),             # v of another head dim
     (kc, vc, k.double(), v.double(), i32(3, 3), None, None),                 # another dtype
     (kc, vc, k, v, i32(3), None, None),                                      # one start for two entries
+    (kc, kc, k, v, i32(3, 3), None, None),                                   # K and V one memory
+    (kc, vc, k, v, i32(3, 3), i32(1, 1), None),                              # two entries, one slot
+    (pages, pages.clone(), k, v, i32(1, 1), None, i32([2, 0], [2, 1])),      # a block shared by new rows
+    (kc[:1].expand(2, 8, 2, 4), vc, k, v, i32(3, 3), None, None),            # an expanded cache
+    (kc, vc, k, v, i32(3, 3).to("meta"), None, None),                        # positions with no values
+    (kc.clone().requires_grad_(), vc, k, v, i32(3, 3), None, None),          # a cache requiring grad
 ]
 for args in calls:
     try:
         ops.attention_kvcache_append(*args)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         assert "attention_ext" in str(e), e
     else:
         raise SystemExit(f"no error for {[getattr(a, 'shape', a) for a in args]}")
-assert not kc.any() and not vc.any() and not pages.any()
+with torch.inference_mode():
+    kc_inference = torch.zeros(2, 8, 2, 4)
+try:
+    ops.attention_kvcache_append(kc_inference, vc, k, v, i32(3, 3), None, None)
+except RuntimeError as e:
+    assert "inference tensor" in str(e), e
+else:
+    raise SystemExit("no error for an inference cache outside inference mode")
+assert not kc.any() and not vc.any() and not pages.any() and not kc_inference.any()
 print("ok")
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                             env=dict(os.environ))
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr[-2000:]
+
+
+def test_the_append_op_called_directly_is_an_in_place_update_and_takes_rows_from_its_cache():
+    """Called directly (as kernel developers do), the append op keeps torch's in-place rules itself:
+    the caches' version counters move, so a graph that saved a cache before the write refuses to
+    backpropagate through it; and new rows that are a view of the cache go in as they were passed."""
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    x = torch.randn(2, 6, 2, 4, requires_grad=True)
+    k_cache, v_cache = torch.zeros(2, 6, 2, 4), torch.zeros(2, 6, 2, 4)
+    y = (x * k_cache).sum()
+    torch.ops.attention_ext.attention_kvcache_append(k_cache, v_cache, torch.ones(2, 1, 2, 4), torch.ones(2, 1, 2, 4),
+                                                     i32(0, 0), None, None)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(1, 8, 1, 4, generator=g), torch.randn(1, 8, 1, 4, generator=g)
+    want = k_cache[:, 0:3].clone()
+    torch.ops.attention_ext.attention_kvcache_append(k_cache, v_cache, k_cache[:, 0:3], v_cache[:, 0:3], i32(1),
+                                                     None, None)
+    assert torch.equal(k_cache[:, 1:4], want)
+
+
+def test_fake_kernels_refuse_tensors_on_another_device_as_the_ops_do():
+    """A call with one argument on the meta device dispatches to the op's fake kernel: it must refuse
+    what the real kernel would (an argument on another device) rather than return an uninitialised
+    CPU tensor or do nothing."""
+    ops = torch.ops.attention_ext
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    x, table = torch.randn(1, 4, 2, 8), torch.randn(16, 4)
+    with pytest.raises(RuntimeError, match="rotary_cos must be on cpu, got meta"):
+        ops.attention_rotary(x, table.to("meta"), table.to("meta"), i32(0), True, False)
+    k_cache, v_cache = torch.zeros(2, 6, 2, 4), torch.zeros(2, 6, 2, 4)
+    with pytest.raises(RuntimeError, match="cache_seqlens must be on cpu, got meta"):
+        ops.attention_kvcache_append(k_cache, v_cache, torch.randn(2, 1, 2, 4), torch.randn(2, 1, 2, 4),
+                                     i32(1, 0).to("meta"), None, None)
+    q, k, v = (torch.randn(2, 10, 8) for _ in range(3))  # (heads, total tokens, d)
+    cu = i32(0, 4, 10)
+    out, lse = ops.attention_varlen_fwd(q, k, v, cu, cu, 6, 6, 8 ** -0.5, 0, -1, -1, 0.0, None, None, 0.0, None)
+    with pytest.raises(RuntimeError, match="lse must be on cpu, got meta"):
+        ops.attention_varlen_bwd(torch.ones_like(out), None, q, k, v, cu, cu, 6, 6, out, lse.to("meta"), 8 ** -0.5,
+                                 0, -1, -1, 0.0, None, None, 0.0, None)
+    with pytest.raises(RuntimeError, match="alibi_slopes must be on cpu, got meta"):
+        ops.attention_varlen_fwd(q, k, v, cu, cu, 6, 6, 8 ** -0.5, 0, -1, -1, 0.0, torch.ones(2, device="meta"),
+                                 None, 0.0, None)
+    qm, km, vm = (t.to("meta").unsqueeze(0) for t in (q, k, v))
+    outm, lsem = ops.attention_fwd(qm, km, vm, None, 0.35, 0, -1, -1, 0.0, None, None, 0.0, None)
+    for mask in (None, torch.ones(1, 2, 10, 10, dtype=torch.bool, device="meta")):
+        with pytest.raises(RuntimeError, match="a mask gradient needs a floating attn_mask"):
+            ops.attention_bwd(torch.ones_like(outm), None, qm, km, vm, mask, outm, lsem, 0.35, 0, -1, -1, 0.0, None,
+                              None, 0.0, None, True)
 
 
 def test_vmap_over_entries_that_each_append_to_their_own_cache():
