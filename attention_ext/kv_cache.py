@@ -26,9 +26,10 @@ beyond the cache), a block id outside the cache anywhere an entry reads or write
 appending to one cache slot (through cache_batch_idx or a block shared in block_table; reading one
 together is fine), k_cache and v_cache in the same memory, or an expanded (stride-0) cache to append
 to raises before anything is written. New k / v that are views of a cache are copied before the
-writes, so they go in with the values they were passed with. A cache made under torch.inference_mode() takes appends only under it as well
-(torch refuses in-place updates of inference tensors outside it; FlashAttention writes through raw
-pointers and does not notice; torch.compile cannot tell, so traced calls skip this check). Under
+writes, so they go in with the values they were passed with. A cache made under
+torch.inference_mode() takes appends only under it as well (torch refuses in-place updates of
+inference tensors outside it; FlashAttention writes through raw pointers and does not notice;
+torch.compile cannot tell, so traced calls skip this check). Under
 torch.compile the call traces whole (fullgraph=True): the checks of per-entry tensors run in an op
 of their own when the graph runs, and the writes take their positions from its result.
 

@@ -461,8 +461,9 @@ def test_caches_that_share_memory_without_sharing_slots_take_appends():
     assert not memory.any()
     k_cache, v_cache = torch.zeros(1, 8, 1, 4), torch.zeros(1, 8, 1, 4)
     one_row = torch.zeros(2, dtype=torch.int32)
-    flash_attn_with_kvcache(q, k_cache, v_cache, k * torch.tensor([[[[1.0]]], [[[3.0]]]]), v, cache_seqlens=torch.tensor(
-        [2, 5], dtype=torch.int32), cache_batch_idx=one_row)
+    scaled = k * torch.tensor([1.0, 3.0]).view(2, 1, 1, 1)
+    flash_attn_with_kvcache(q, k_cache, v_cache, scaled, v, cache_seqlens=torch.tensor([2, 5], dtype=torch.int32),
+                            cache_batch_idx=one_row)
     assert k_cache[0, 2, 0, 0] == 1.0 and k_cache[0, 5, 0, 0] == 3.0
     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([6, 6], dtype=torch.int32),
                                   cache_batch_idx=one_row)
