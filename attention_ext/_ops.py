@@ -128,4 +128,6 @@ def _attention_probs_fake(query, key, attn_mask, scale, causal, window_left, win
 def _dropout_keep_mask_fake(rng_state, batch_shape, n, m, dropout_p):
     _arguments.rng_state_rules(_arguments.check_traced, rng_state, rng_state.device)
     _arguments.dropout_rules(_arguments.check_traced, dropout_p)
+    _arguments.check_traced(n >= 0 and m >= 0 and all(s >= 0 for s in batch_shape), ValueError,
+                            lambda: f"batch_shape's sizes, n and m must be >= 0, got {list(batch_shape)}, {n} and {m}")
     return rng_state.new_empty((*batch_shape, n, m), dtype=torch.bool)

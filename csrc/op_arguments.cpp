@@ -401,6 +401,8 @@ at::Tensor allocate_keep_mask(const at::Tensor& rng_state, at::IntArrayRef batch
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "attention_ext: dropout_p must be in [0, 1), got ",
               dropout_p);
   TORCH_CHECK(n >= 0 && m >= 0, "attention_ext: n and m must be >= 0, got ", n, " and ", m);
+  for (int64_t s : batch_shape)
+    TORCH_CHECK(s >= 0, "attention_ext: batch_shape's sizes must be >= 0, got ", batch_shape);
   std::vector<int64_t> shape(batch_shape.begin(), batch_shape.end());
   *batch_numel = 1;
   for (int64_t s : shape) *batch_numel *= s;

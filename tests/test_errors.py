@@ -93,6 +93,10 @@ def test_ops_check_their_inputs_too():
         torch.ops.attention_ext.attention_fwd(t(2, 3, 4), t(2, 3, 4), t(2, 3, 4), None, 1.0, 0, -1, -1, 0.0, None, None, 0.5, None)
     with pytest.raises(RuntimeError, match=r"at most 8 batch dims"):
         torch.ops.attention_ext.attention_fwd(t(*[1] * 9, 3, 4), t(3, 4), t(3, 4), None, 1.0, 0, -1, -1, 0.0, None, None, 0.0, None)
+    rng_state = torch.tensor([1, 0])
+    for device in ("cpu", "meta"):  # (the kernel and its fake)
+        with pytest.raises(RuntimeError, match=r"batch_shape's sizes.* must be >= 0, got \[-2, 3\]"):
+            torch.ops.attention_ext.dropout_keep_mask(rng_state.to(device), [-2, 3], 5, 7, 0.5)
 
 
 def test_unknown_cpu_variant():
