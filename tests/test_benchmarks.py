@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import attention_ext
-from conftest import cpuinfo
+from conftest import SANITIZED, cpuinfo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -125,6 +125,8 @@ def test_cpu_probes_count_their_flops(probe, short_iterations):
         op(0)
 
 
+@pytest.mark.skipif(SANITIZED, reason="under ASan/UBSan the probes' loads and arithmetic are instrumented unevenly: "
+                    "their relative speeds say nothing about the optimised build's ceilings")
 def test_each_ceiling_is_under_the_one_it_adds_work_to():
     # FMA peak > tile GEMM > forward tile, and tile GEMM > backward tile: all count 2 flops per FMA
     # of the same vectors; the tile GEMM feeds its FMAs from memory, so it cannot beat independent
