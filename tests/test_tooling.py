@@ -1,6 +1,7 @@
 """The ops work with PyTorch's tooling: opcheck, torch.compile, torch.export, torch.jit.trace, meta tensors."""
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
 import attention_ext
 from attention_ext import attention_reference, dropout_mask
@@ -102,11 +103,13 @@ def test_torch_compile_variants(kwargs):
 @pytest.mark.parametrize("call", ["sdpa", "sdpa_scale_dropout", "attention_softcap", "flash_scale_softcap",
                                   "weights_scale", "varlen_scale_softcap"])
 def test_torch_compile_dynamic_fullgraph_with_float_arguments(call):
-    """torch.compile(dynamic=True, fullgraph=True): float arguments (scale, softcap, dropout_p) are
-    traced as symbols there, and the checks on them trace too (guards, no math.isfinite), so the
-    call compiles, forward and backward, and gives eager mode's bits at two shapes and two sets of
-    values; a bad value still raises with the eager call's message (fullgraph wraps it in Dynamo's
-    Unsupported: an exception while tracing is a graph break)."""
+    """torch.compile(dynamic=True, fullgraph=True) with float arguments (scale, softcap, dropout_p):
+    the checks on them trace (guards, no math.isfinite), so the call compiles, forward and backward,
+    and gives eager mode's bits at two shapes and two sets of values. The sizes stay symbols (a
+    new shape does not compile again); a float reaches the op as a constant, so each set of values
+    compiles once (as README says: at most one graph per set). A bad value still raises with the
+    eager call's message (fullgraph wraps it in Dynamo's Unsupported: an exception while tracing is
+    a graph break)."""
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
     calls = {
         "sdpa": lambda q, s, c: attention_ext.scaled_dot_product_attention(q, q, q, is_causal=True),
@@ -120,7 +123,8 @@ def test_torch_compile_dynamic_fullgraph_with_float_arguments(call):
     }
     torch._dynamo.reset()
     fn = calls[call]
-    compiled = torch.compile(fn, backend="eager", dynamic=True, fullgraph=True)
+    graphs = CompileCounter()
+    compiled = torch.compile(fn, backend=graphs, dynamic=True, fullgraph=True)
     for n in (5, 7):
         q = rand(1, 2, n, 8, dtype=torch.float32, requires_grad=True)
         if call == "varlen_scale_softcap":
@@ -131,6 +135,7 @@ def test_torch_compile_dynamic_fullgraph_with_float_arguments(call):
             want = fn(q, s, c)
             assert torch.equal(got, want), (call, n, s, c)
             assert torch.equal(grad, torch.autograd.grad(want.square().sum(), q)[0])
+    assert 1 <= graphs.frame_count <= 2, graphs.frame_count  # two sets of values, two shapes
     if call in ("attention_softcap", "flash_scale_softcap", "varlen_scale_softcap"):
         with pytest.raises(Exception, match="softcap must be a finite number"):
             compiled(q, 0.3, float("inf"))
