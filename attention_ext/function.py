@@ -62,7 +62,11 @@ def forward_ad_possible() -> bool:
 
 class _SecondDerivativeRefused(torch.autograd.Function):
     """The identity on a first-order backward's results, recorded against everything they depend
-    on (the incoming gradients and the saved inputs): differentiating through it raises."""
+    on (the incoming gradients and the saved inputs): differentiating through it raises. (Its vmap
+    rule is generated: torch.func.jacrev runs the first-order backward under vmap, and under
+    torch.func's grad transforms the results are recorded against this node as well.)"""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(what, count, *tensors):

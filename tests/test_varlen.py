@@ -262,6 +262,24 @@ def test_a_second_derivative_raises_however_it_is_asked_for():
         with pytest.raises(NotImplementedError, match=message):
             torch.func.grad(lambda q: torch.func.grad(f)(q).sum())(q)
     assert torch.equal(torch.func.grad(loss)(q), torch.autograd.grad(loss(leaf), leaf)[0])
+    with pytest.raises(NotImplementedError, match=message):
+        torch.func.jacrev(torch.func.jacrev(linear_loss))(q)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+def test_a_first_order_jacobian_through_torch_func():
+    """torch.func.jacrev runs the first-order backward under vmap: the Jacobian is
+    autograd.functional.jacobian's (vmap falls back to a loop over the packed backward)."""
+    q, k, v, cu_q, cu_k = packed_inputs([3, 1], [3, 2], 2, 1, 4, dtype=torch.float64)
+
+    def f(q):
+        return varlen_attention(q, k, v, cu_q, cu_k, 3, 3)
+
+    want = torch.autograd.functional.jacobian(f, q)
+    torch.testing.assert_close(torch.func.jacrev(f)(q), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.func.jacrev(lambda k: varlen_attention(q, k, v, cu_q, cu_k, 3, 3))(k),
+                               torch.autograd.functional.jacobian(lambda k: varlen_attention(q, k, v, cu_q, cu_k, 3, 3), k),
+                               rtol=1e-12, atol=1e-12)
 
 
 def test_flash_attn_varlen_func_layout_lse_and_probabilities():
