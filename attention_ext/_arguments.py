@@ -122,10 +122,14 @@ def rng_state_rules(check: Check, rng_state, device) -> None:
     device_rule(check, rng_state, "rng_state", device)
 
 
-def mask_rules(check: Check, attn_mask: torch.Tensor, query: torch.Tensor) -> None:
-    """A boolean mask (True: the key takes part) or an additive one in the query's dtype."""
+def mask_rules(check: Check, attn_mask: torch.Tensor, query: torch.Tensor, float32_taken: bool = False) -> None:
+    """A boolean mask (True: the key takes part) or an additive one in the query's dtype (the ops'
+    rule). float32_taken: the public functions, which also take a float32 mask (as torch does) and
+    say so when they refuse one."""
+    also = "float32 or " if float32_taken else ""
     check(attn_mask.dtype == torch.bool or attn_mask.dtype == query.dtype, TypeError,
-          lambda: f"attn_mask must be bool or have the query's dtype ({query.dtype}), got {attn_mask.dtype}")
+          lambda: f"attn_mask must be bool, or a float mask in {also}the query's dtype ({query.dtype}), got "
+          f"{attn_mask.dtype}")
     device_rule(check, attn_mask, "attn_mask", query.device)
 
 

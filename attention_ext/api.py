@@ -86,6 +86,17 @@ def _default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
 
 
+def _refuse_derivatives_into(value: torch.Tensor, name: str) -> None:
+    """A one-element tensor taken as a number (scale, dropout_p): read with .item(), it would be a
+    constant to every derivative, so one that asks for a derivative (a forward-mode tangent, or a
+    torch.func transform tracing it) is refused rather than silently given none."""
+    traced = not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(value)
+    if traced or torch.autograd.forward_ad.unpack_dual(value).tangent is not None:
+        raise TypeError(f"attention_ext: {name} is a tensor with a forward-mode tangent or traced by a torch.func "
+                        f"transform (jvp, grad, vmap); derivatives with respect to {name} are not supported (as in "
+                        f"torch): pass a float")
+
+
 def _check_scale(scale, key):
     if scale is None:
         return _default_scale(key.shape[-1])
@@ -95,6 +106,7 @@ def _check_scale(scale, key):
         if scale.requires_grad and torch.is_grad_enabled():
             raise TypeError("attention_ext: scale is a tensor that requires grad; gradients into scale are not "
                             "supported (as in torch): pass a float, or scale.detach()")
+        _refuse_derivatives_into(scale, "scale")
         scale = scale.item()
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"attention_ext: scale must be a real number or None, got {type(scale).__name__}")
@@ -110,6 +122,7 @@ def _check_scale(scale, key):
 
 def _check_dropout(dropout_p):
     if isinstance(dropout_p, torch.Tensor) and dropout_p.numel() == 1 and not dropout_p.requires_grad:
+        _refuse_derivatives_into(dropout_p, "dropout_p")
         dropout_p = dropout_p.item()  # (as torch takes it)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"attention_ext: dropout_p must be a number, got {type(dropout_p).__name__}")
@@ -259,8 +272,11 @@ def _check_mask(attn_mask, query, batch, n, m):
     if attn_mask.dtype == torch.float32 and query.dtype == torch.float64 and attn_mask.device == query.device:
         # torch takes a float32 mask with any query dtype: converted to float64 exactly (its gradient
         # returns in float32 through the conversion). (float16 / bfloat16 inputs: _float32_mask_inputs.)
-        attn_mask = attn_mask.to(torch.float64)
-    mask_rules(enforce, attn_mask, query)
+        # Masking is decided in the mask's own dtype (the reference's rule): its lowest finite value
+        # masks, so it becomes -inf rather than a float64 bias the row's softmax would keep.
+        attn_mask = attn_mask.to(torch.float64).masked_fill(attn_mask == torch.finfo(torch.float32).min,
+                                                            float("-inf"))
+    mask_rules(enforce, attn_mask, query, float32_taken=True)
     target = (*batch, n, m)
     ok = attn_mask.dim() <= len(target) and all(
         s == 1 or s == t for s, t in zip(reversed(attn_mask.shape), reversed(target)))

@@ -121,6 +121,31 @@ def test_a_scale_tensor_that_requires_grad_is_refused_not_dropped():
         sdpa(t(2, 3, 4), t(2, 3, 4), t(2, 3, 4), scale=torch.tensor(0.5, requires_grad=True))
 
 
+def test_a_scale_or_dropout_tensor_asked_for_a_derivative_is_refused_not_read_as_a_constant():
+    """A tensor scale (or dropout_p) with a forward-mode tangent, or traced by a torch.func
+    transform, would be read as a constant: its derivative would be silently 0. Refused, as a
+    scale that requires grad is; a plain tensor scale inside such a transform is still taken."""
+    q, k, v = t(2, 3, 4), t(2, 3, 4), t(2, 3, 4)
+    s, one = torch.tensor(0.7), torch.tensor(1.0)
+    says = r"scale is a tensor with a forward-mode tangent or traced by a torch\.func transform"
+    with pytest.raises(TypeError, match=says):
+        torch.func.jvp(lambda sc: attention_ext.attention(q, k, v, scale=sc), (s,), (one,))
+    with pytest.raises(TypeError, match=r"scale is a tensor that requires grad"):  # (grad's tensors require it)
+        torch.func.grad(lambda sc: attention_ext.attention_weights(q, k, scale=sc).sum())(s)
+    with pytest.raises(TypeError, match=says):
+        torch.func.vmap(lambda sc: sdpa(q, k, v, scale=sc))(torch.tensor([0.5, 0.7]))
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        with pytest.raises(TypeError, match=says):
+            sdpa(q, k, v, scale=fwAD.make_dual(s, one))
+        with pytest.raises(TypeError, match=r"dropout_p is a tensor with a forward-mode tangent"):
+            sdpa(q, k, v, dropout_p=fwAD.make_dual(torch.tensor(0.1), one))
+    # q under the transform, the scale a plain tensor: taken as its value.
+    out, tangent = torch.func.jvp(lambda x: sdpa(x, k, v, scale=s), (q,), (torch.ones_like(q),))
+    want, want_tangent = torch.func.jvp(lambda x: sdpa(x, k, v, scale=0.7), (q,), (torch.ones_like(q),))
+    assert torch.equal(out, want) and torch.equal(tangent, want_tangent)
+
+
 def test_a_one_element_dropout_tensor_is_taken_as_its_value():
     q = t(2, 3, 4)
     torch.manual_seed(0)

@@ -321,6 +321,27 @@ def test_float_mask_entries_at_dtype_lowest_are_masked_out_exactly(dtype):
     assert_close(out, attention_reference(q[..., :, :], k[..., keep, :], v[..., keep, :])[0], ATOL[dtype], "output")
 
 
+def test_a_float32_masks_lowest_value_masks_with_float64_inputs_too():
+    """Masking is decided in the mask's own dtype: a float32 mask's finfo(float32).min masks with
+    float64 inputs as with float32 ones (a fully masked row: output 0, lse -inf, zero gradients, the
+    mask's included), although it is an ordinary bias in float64; as the reference decides it."""
+    q, k, v = qkv(torch.float64, requires_grad=True)
+    mask = torch.randn(N, M, dtype=torch.float32)
+    mask[0] = torch.finfo(torch.float32).min  # row 0: every key masked
+    mask[1, 2] = torch.finfo(torch.float32).min
+    mask.requires_grad_()
+    out, lse = attention(q, k, v, attn_mask=mask, return_lse=True)
+    want_out, want_lse, _ = attention_reference(q.detach(), k.detach(), v.detach(), mask.detach())
+    assert torch.equal(out[..., 0, :], torch.zeros_like(out[..., 0, :])) and torch.isneginf(lse[..., 0]).all()
+    assert_close(out, want_out, 1e-12, "output")
+    assert_close(lse[..., 1:], want_lse[..., 1:], 1e-12, "lse")
+    dmask, dq = torch.autograd.grad(out, [mask, q], torch.randn_like(out))
+    assert dmask.dtype == torch.float32 and torch.equal(dmask[0], torch.zeros_like(dmask[0])) and dmask[1, 2] == 0
+    assert torch.equal(dq[..., 0, :], torch.zeros_like(dq[..., 0, :]))
+    w = attention_weights(q, k, attn_mask=mask)
+    assert torch.equal(w[..., 0, :], torch.zeros_like(w[..., 0, :])) and torch.equal(w[..., 1, 2], torch.zeros_like(w[..., 1, 2]))
+
+
 def test_mask_with_large_finite_negative_values_is_not_treated_as_masked():
     """-1e30 (above finfo(float64).min) is an ordinary bias: a row of only such values is a
     normal softmax (uniform here, the scores being lost in rounding), not a fully masked row;
@@ -374,14 +395,15 @@ def test_reference_weights_sum_to_one_for_large_negative_biases():
 
 @pytest.mark.parametrize("mask_dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_float_mask_of_another_dtype_than_query_raises_type_error(mask_dtype):
-    """(As torch: bool, the query's dtype, or float32, below.)"""
+    """(As torch: bool, the query's dtype, or float32, below; the message names all three.)"""
     q, k, v = qkv(torch.float64)
     mask = torch.zeros(N, M, dtype=mask_dtype)
-    with pytest.raises(TypeError, match="attn_mask"):
+    says = rf"attn_mask must be bool, or a float mask in float32 or the query's dtype \(torch.float64\), got {mask_dtype}"
+    with pytest.raises(TypeError, match=says):
         scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    with pytest.raises(TypeError, match="attn_mask"):
+    with pytest.raises(TypeError, match=says):
         attention(q, k, v, attn_mask=mask)
-    with pytest.raises(TypeError, match="attn_mask"):
+    with pytest.raises(TypeError, match=says):
         attention_weights(q, k, attn_mask=mask)
 
 
