@@ -1,6 +1,6 @@
 """python -m attention_ext [demo|check|bench]
 
-demo (default): build info, the seed's worked example step by step, a gradcheck verdict, and a
+demo (default): build info, the worked example (README.md) step by step, a gradcheck verdict, and a
                 quick timing against torch's SDPA and the naive composition.
 check:          the correctness matrix on every available device and dtype; exits non-zero on
                 any failure.
@@ -42,7 +42,7 @@ def demo() -> int:
                 "cpu_variant", "cuda", "cuda_archs", "threads", "loaded_from"):
         print(f"  {key:22s} {info.get(key, '')}")
 
-    print("\nThe seed's worked example (n = 3, d_k = d_v = 2):")
+    print("\nThe worked example (n = 3, d_k = d_v = 2):")
     q = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
     k = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]], dtype=torch.float64)
     v = torch.tensor([[10.0, 0.0], [0.0, 10.0], [5.0, 5.0]], dtype=torch.float64)
@@ -55,7 +55,7 @@ def demo() -> int:
     print("O = W V (attention_ext.scaled_dot_product_attention)\n" + _fmt(o))
     expected = torch.tensor([[6.15, 3.85], [3.85, 6.15], [5.0, 5.0]], dtype=torch.float64)
     ok_example = torch.allclose(o, expected, atol=6e-3)
-    print("matches the seed's O = [[6.15, 3.85], [3.85, 6.15], [5, 5]]:", "yes" if ok_example else "NO")
+    print("matches the expected O = [[6.15, 3.85], [3.85, 6.15], [5, 5]]:", "yes" if ok_example else "NO")
 
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     ok_grad = torch.autograd.gradcheck(attention_ext.scaled_dot_product_attention, (qg, kg, vg))

@@ -35,7 +35,8 @@ for its sdpa path), and a layer with no window of its own takes its config's. Ar
 change what is attended to and that the kernels do not take (_UNSUPPORTED_KWARGS) raise
 NotImplementedError.
 
-transformers is an optional dependency (`pip install attention_ext[hf]`), imported only here.
+transformers is an optional dependency (`pip install 'transformers>=5.14'`, or the `hf` extra from a
+checkout: `pip install --no-build-isolation '.[hf]'`), imported only here.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def register(name: str = "attention_ext") -> str:
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("attention_ext.hf needs transformers: pip install 'attention_ext[hf]'") from e
+        raise ImportError(f"attention_ext.hf needs transformers: pip install 'transformers>={MIN_TRANSFORMERS}'") from e
     from packaging.version import Version  # (a dependency of transformers)
     if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
         raise ImportError(f"attention_ext.hf needs transformers >= {MIN_TRANSFORMERS}, found {transformers.__version__}: "

@@ -1,4 +1,4 @@
-"""The seed's formula in plain torch: softmax(Q Kᵀ · scale + mask) V, computed in float64.
+"""The formula in plain torch: softmax(Q Kᵀ · scale + mask) V, computed in float64.
 
 This is the yardstick for tests and `python -m attention_ext check`, and the differentiable
 composition behind double backward and forward-mode AD (see function.py). It follows the

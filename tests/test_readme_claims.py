@@ -148,7 +148,7 @@ ROWS = [
         flash_attention_source="flash_attn_func docstring on deterministic: 'The forward pass is always "
                                "deterministic'"),
     Row(("dropout mask reproducible from (seed, offset), same on CPU and GPU",
-         "yes",
+         "yes (on the GPU checked under the host emulation of CUDA so far)",
          "no: dropout runs on the math fallback only (the flash kernel declines `dropout_p > 0`); "
          "`torch.manual_seed` replays it, the mask is not returned",
          "CUDA only; the pattern only through the testing-only `return_attn_probs`"),
