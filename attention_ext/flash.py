@@ -22,10 +22,11 @@ What differs, on purpose:
 
 window_size=(left, right) is FlashAttention's sliding window, bottom-right aligned: key j is
 visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1:
-unbounded; as in FlashAttention's C++, a side at least seqlen_k long — max_seqlen_k for varlen —
-is unbounded too); causal=True sets right to 0. The kernels skip the key tiles outside the window.
+unbounded; as in FlashAttention's C++, any negative side, and a side at least seqlen_k long —
+max_seqlen_k for varlen — is unbounded too); causal=True sets right to 0. The kernels skip the key tiles outside the window.
 
-softcap > 0 caps the scaled scores at softcap·tanh(t / softcap) (Gemma 2) and alibi_slopes
+softcap > 0 caps the scaled scores at softcap·tanh(t / softcap) (Gemma 2; 0 or less: none, as in
+FlashAttention's kernels) and alibi_slopes
 (float32, (heads,) or (batch, heads)) adds -slope·|i + seqlen_k - seqlen_q - j|, both fused in every
 kernel; unlike FlashAttention, dropout with softcap is allowed.
 
@@ -37,7 +38,9 @@ padding (attention_ext.varlen). With return_attn_probs=True the third result is 
 probabilities zero-padded to (batch, heads, max_seqlen_q, max_seqlen_k).
 
 flash_attn_with_kvcache (attention_ext.kv_cache) is inference against a key/value cache, contiguous
-or paged, with in-place append and rotary embeddings.
+or paged, with in-place append and rotary embeddings. It differs on purpose in one more way: inputs
+that require grad (with grad mode on) are refused, where FlashAttention returns an output with no
+gradient.
 
 Not supported yet (a clear NotImplementedError, never a silent fallback): a paged key/value cache
 through flash_attn_varlen_func's block_table (flash_attn_with_kvcache takes one).
@@ -78,8 +81,9 @@ def _check_layout(q, k, v):
 
 def _band_from(causal, window_size, prefix="attention_ext.flash: "):
     """FlashAttention's causal / window_size pair as this package's (causal kind, window):
-    causal=True is bottom-right causal (window (-1, 0)); -1 leaves a side unbounded. (prefix: the
-    calling function's name, for its errors.)"""
+    causal=True is bottom-right causal (window (-1, 0)); a negative side is unbounded, -1 (its
+    documented value; its C++ takes any negative so). (prefix: the calling function's name, for its
+    errors.)"""
     if type(causal) is bool and type(window_size) is tuple and len(window_size) == 2 and \
             type(window_size[0]) is int and type(window_size[1]) is int and min(window_size) >= -1:
         return ("bottom_right" if causal else None), window_size  # (the common case, without the checks below)
@@ -92,9 +96,7 @@ def _band_from(causal, window_size, prefix="attention_ext.flash: "):
             any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in (left, right)):
         raise TypeError(f"{prefix}window_size must be a pair of ints (left, right), got {window_size!r}")
     left, right = int(left), int(right)
-    if left < -1 or right < -1:
-        raise ValueError(f"{prefix}window_size values must be -1 (unbounded) or >= 0, got {(left, right)}")
-    return ("bottom_right" if causal else None), (left, right)
+    return ("bottom_right" if causal else None), (max(left, -1), max(right, -1))
 
 
 def _window_within(window, seqlen_k):
@@ -110,10 +112,12 @@ def _window_within(window, seqlen_k):
     return (-1 if left >= seqlen_k else left), (-1 if right >= seqlen_k else right)
 
 
-def _check_softcap(softcap):
+def _check_softcap(softcap, prefix="attention_ext.flash: "):
+    """FlashAttention's softcap: a float, <= 0 for none (its kernels cap only where softcap > 0)."""
     if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool):
-        raise TypeError(f"attention_ext.flash: softcap must be a float, got {type(softcap).__name__}")
-    return float(softcap)
+        raise TypeError(f"{prefix}softcap must be a float, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    return 0.0 if softcap <= 0.0 else softcap  # (NaN stays, for the rules to refuse)
 
 
 def _check_alibi(alibi_slopes, batch, heads, prefix="attention_ext.flash: "):

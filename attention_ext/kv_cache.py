@@ -320,12 +320,12 @@ _FLASH_RULES = None
 
 
 def _flash_rules():
-    """flash_attn_func's window and ALiBi rules (flash imports this module: looked up on first use;
+    """flash_attn_func's window, ALiBi and softcap rules (flash imports this module: looked up on first use;
     one assignment, so threads racing through the first call all get the pair)."""
     global _FLASH_RULES
     if _FLASH_RULES is None:
-        from .flash import _band_from, _check_alibi
-        _FLASH_RULES = (_band_from, _check_alibi)
+        from .flash import _band_from, _check_alibi, _check_softcap
+        _FLASH_RULES = (_band_from, _check_alibi, _check_softcap)
     return _FLASH_RULES
 
 
@@ -472,15 +472,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _fail(ValueError, f"a paged k_cache needs at least one block of at least one slot, got shape "
                           f"{tuple(k_cache.shape)} (num_blocks, block_size, kv_heads, head_dim)")
     kv_heads, device = k_cache.shape[2], q.device
-    _band_from, _check_alibi = _flash_rules()
+    _band_from, _check_alibi, _flash_softcap = _flash_rules()
     _, (window_left, window_right) = _band_from(causal, window_size, _PREFIX)
     if causal:
         window_right = 0
     scale = _check_scale(softmax_scale, q)
-    softcap = _check_softcap(softcap)
-    if type(num_splits) is not int and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)) \
-            or num_splits < 0:
-        _fail(TypeError, f"num_splits must be an int >= 0, got {num_splits!r}")
+    softcap = _check_softcap(_flash_softcap(softcap, _PREFIX))
+    if type(num_splits) is not int and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)):
+        _fail(TypeError, f"num_splits must be an int (FlashAttention's: < 1 chooses), got {num_splits!r}")
     rotary_interleaved = _arguments.flag(rotary_interleaved, "rotary_interleaved", _PREFIX, integers=True)
     return_softmax_lse = _arguments.flag(return_softmax_lse, "return_softmax_lse", _PREFIX, integers=True)
 

@@ -227,9 +227,8 @@ def test_compiles_fullgraph():
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    ({"window_size": (-2, 0)}, ValueError, r"window_size values must be -1 \(unbounded\) or >= 0"),
     ({"window_size": 5}, TypeError, r"window_size must be a pair of ints"),
-    ({"softcap": -1.0}, ValueError, r"softcap must be a finite number > 0 \(or None / 0.0 for none\), got -1.0"),
+    ({"softcap": float("nan")}, ValueError, r"softcap must be a finite number > 0 \(or None / 0.0 for none\), got nan"),
     ({"softcap": "big"}, TypeError, r"softcap must be a float"),
     ({"alibi_slopes": torch.ones(3)}, TypeError, r"alibi_slopes must be float32 of shape \(2,\) or \(1, 2\)"),
     ({"alibi_slopes": torch.ones(2, dtype=torch.float64)}, TypeError, r"alibi_slopes must be float32 .* got torch.float64"),
@@ -240,6 +239,28 @@ def test_arguments_not_supported_yet_raise_instead_of_being_ignored(kwargs, erro
     q, k, v = make(1, 4, 4, 2, 2, 8, torch.float32)
     with pytest.raises(error, match=match):
         flash_attn_func(q, k, v, **kwargs)
+
+
+def test_negative_softcap_window_sides_and_num_splits_mean_none_as_flash_attentions_kernels_take_them():
+    """FlashAttention documents softcap 0.0 and window side -1 for "none", and its C++ takes any
+    softcap <= 0 as no cap, any negative window side as unbounded and num_splits < 1 as its own
+    choice: code passing those runs here with the same meaning."""
+    q, k, v = make(2, 5, 9, 4, 2, 8, torch.float32)
+    plain = flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(flash_attn_func(q, k, v, causal=True, softcap=-1.0), plain)
+    assert torch.equal(flash_attn_func(q, k, v, causal=True, softcap=float("-inf")), plain)
+    assert torch.equal(flash_attn_func(q, k, v, causal=True, window_size=(-7, -2)), plain)
+    assert torch.equal(flash_attn_func(q, k, v, window_size=(3, -5)), flash_attn_func(q, k, v, window_size=(3, -1)))
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9], dtype=torch.int32)
+    assert torch.equal(flash_attn_varlen_func(q[0], k[0], v[0], cu, cu_k, 5, 9, causal=True, softcap=-2.0,
+                                              window_size=(-3, -3)),
+                       flash_attn_varlen_func(q[0], k[0], v[0], cu, cu_k, 5, 9, causal=True))
+    k_cache, v_cache = k.clone(), v.clone()
+    want = attention_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7, causal=True)
+    got = attention_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7, causal=True, softcap=-1.0,
+                                  window_size=(-4, -2), num_splits=-1)
+    assert torch.equal(got, want)
 
 
 def test_int_flags_act_as_bools_as_flash_attentions_do():

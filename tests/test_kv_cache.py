@@ -303,7 +303,7 @@ BAD = [
     (dict(rotary_without_new=True), ValueError, "only with new k / v"),
     (dict(requires_grad=True), RuntimeError, "inference function"),
     (dict(dtype_mismatch=True), TypeError, "must have q's dtype"),
-    (dict(window_size=(-3, 0)), ValueError, "window_size values"),
+    (dict(window_size=(0.5, 0)), TypeError, "window_size must be a pair of ints"),
     (dict(bad_block=True), IndexError, r"block_table\[2, 0\] = 99 is outside the cache's 23 blocks"),
     (dict(alibi_slopes=torch.ones(3)), TypeError, r"alibi_slopes must be float32 of shape \(4,\)"),
     (dict(five_entries=True), IndexError, "larger than the cache's 4 rows: pass cache_batch_idx"),
