@@ -154,7 +154,7 @@ def test_a_compiled_kv_cache_call_checks_scale_and_softcap_before_it_appends():
     k_cache, v_cache = torch.zeros(1, 8, 1, 4), torch.zeros(1, 8, 1, 4)
     assert torch.equal(compiled(q, k_cache.clone(), v_cache.clone(), k, v, 0.5, 2.0),
                        step(q, k_cache.clone(), v_cache.clone(), k, v, 0.5, 2.0))
-    for scale, softcap, message in ((0.5, -1.0, "softcap must be a finite number"),
+    for scale, softcap, message in ((0.5, float("nan"), "softcap must be a finite number"),
                                     (float("inf"), 0.0, "scale must be finite")):
         with pytest.raises(ValueError, match=message):
             compiled(q, k_cache, v_cache, k, v, scale, softcap)
