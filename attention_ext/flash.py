@@ -23,7 +23,8 @@ What differs, on purpose:
 window_size=(left, right) is FlashAttention's sliding window, bottom-right aligned: key j is
 visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1:
 unbounded; as in FlashAttention's C++, any negative side, and a side at least seqlen_k long —
-max_seqlen_k for varlen — is unbounded too); causal=True sets right to 0. The kernels skip the key tiles outside the window.
+max_seqlen_k for varlen — is unbounded too); causal=True sets right to 0. The kernels skip the key
+tiles outside the window.
 
 softcap > 0 caps the scaled scores at softcap·tanh(t / softcap) (Gemma 2; 0 or less: none, as in
 FlashAttention's kernels) and alibi_slopes

@@ -320,8 +320,8 @@ _FLASH_RULES = None
 
 
 def _flash_rules():
-    """flash_attn_func's window, ALiBi and softcap rules (flash imports this module: looked up on first use;
-    one assignment, so threads racing through the first call all get the pair)."""
+    """flash_attn_func's window, ALiBi and softcap rules (flash imports this module: looked up on
+    first use; one assignment, so threads racing through the first call all get the same three)."""
     global _FLASH_RULES
     if _FLASH_RULES is None:
         from .flash import _band_from, _check_alibi, _check_softcap
