@@ -259,7 +259,7 @@ def test_negative_softcap_window_sides_and_num_splits_mean_none_as_flash_attenti
     k_cache, v_cache = k.clone(), v.clone()
     want = attention_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7, causal=True)
     got = attention_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7, causal=True, softcap=-1.0,
-                                  window_size=(-4, -2), num_splits=-1)
+                                                window_size=(-4, -2), num_splits=-1)
     assert torch.equal(got, want)
 
 
