@@ -3,6 +3,8 @@ torch.export can trace them without running them. The fake kernels check the arg
 rules in _arguments.py, the ones the compiled kernels check."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._build import load_extension
@@ -74,9 +76,25 @@ def _attention_fwd_fake(query, key, value, attn_mask, scale, causal, window_left
                        sinks, dropout_p, rng_state)
     batch = _batch_shape(query, key, value)
     n, dv = query.shape[-2], value.shape[-1]
-    out = query.new_empty((*batch, n, dv))
+    out_shape = (*batch, n, dv)
+    order = out_dim_order(query, len(out_shape))
+    out = query.new_empty([out_shape[i] for i in order]).permute(sorted(range(len(order)), key=order.__getitem__))
     lse = query.new_empty((*batch, n), dtype=lse_dtype(query.dtype))
     return out, lse
+
+
+def out_dim_order(query, out_dims):
+    """The order in memory, outermost first, of attention_fwd's out dims (batch..., n, d_v): the
+    query's, read from its strides, largest first, with a dim the query broadcasts (missing, size 1
+    or stride 0) outermost and ties kept in order; d_v innermost. (The kernels' side,
+    csrc/op_arguments.h, states the same rule and why.)"""
+    missing = out_dims - query.dim()
+
+    def outer_key(i):
+        qi = i - missing
+        return math.inf if qi < 0 or query.shape[qi] == 1 or query.stride(qi) == 0 else query.stride(qi)
+
+    return sorted(range(out_dims - 1), key=outer_key, reverse=True) + [out_dims - 1]
 
 
 @torch.library.register_fake("attention_ext::attention_bwd")
@@ -107,12 +125,8 @@ def _attention_bwd_fake(grad_out, grad_lse, query, key, value, attn_mask, out, l
                             ValueError, lambda: "a mask gradient needs a floating attn_mask")
     grad_mask = torch.empty_like(attn_mask, memory_format=torch.contiguous_format) if mask_requires_grad \
         else query.new_empty((0,))
-    return (
-        torch.empty_like(query, memory_format=torch.contiguous_format),
-        torch.empty_like(key, memory_format=torch.contiguous_format),
-        torch.empty_like(value, memory_format=torch.contiguous_format),
-        grad_mask,
-    )
+    # Each gradient in its input's layout (empty_like's rule, as the kernels' side allocates them).
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_mask
 
 
 @torch.library.register_fake("attention_ext::attention_probs")

@@ -153,8 +153,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                      scale=softmax_scale, enable_gqa=gqa)
     out, lse = attention(qh, kh, vh, dropout_p=dropout_p, return_lse=True, **modifiers)
     # (batch, seqlen_q, heads, head_dim_v) contiguous, as FlashAttention allocates it: model code
-    # views it as (batch, seqlen_q, heads·head_dim_v). (A copy of the output, ~1/64 of a d = 64
-    # forward's memory traffic and none of its arithmetic.)
+    # views it as (batch, seqlen_q, heads·head_dim_v). Free: out follows qh's layout, rows outside
+    # heads (csrc/op_arguments.h); a copy only where q's own layout was otherwise.
     out = out.transpose(1, 2).contiguous()
     if not return_attn_probs:
         return out

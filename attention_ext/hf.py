@@ -357,4 +357,5 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                 else weights * 0
         if m < all_keys:  # a static cache's slots past the newest token: weight 0, as eager gives them
             weights = torch.nn.functional.pad(weights, (0, all_keys - m))
+    # (free for the usual query, a transposed view of (batch, n, heads, d): out follows its layout)
     return out.transpose(1, 2).contiguous(), weights

@@ -84,7 +84,7 @@ def _varlen_bwd_fake(grad_out, grad_lse, query, key, value, cu_seqlens_q, cu_seq
     _check_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, window_left, window_right, softcap,
                 sinks, dropout_p, rng_state, alibi_slopes=alibi_slopes, grad_out=grad_out, grad_lse=grad_lse, out=out,
                 lse=lse)
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (query, key, value))
+    return tuple(torch.empty_like(t) for t in (query, key, value))  # each in its input's layout (as the kernels')
 
 
 def _setup_context(ctx, inputs, output):

@@ -51,6 +51,12 @@ QUICK_SWEEP_LENGTHS = [256, 1024, 4096]
 CANDIDATES = ["ours", "torch", "naive"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEVICE = "cpu"  # the device being benchmarked (set by main)
+# How the inputs are laid out (set by main, --layout): "heads", contiguous (B, H, n, d) tensors; or
+# "model", as a model layer has them: q, k, v and the output gradient are (B, n, H·d) tensors (what
+# the projections give), each call views them as (B, H, n, d) through a transpose and turns its
+# output back into (B, n, H·d) (transpose, reshape), as transformers' attention integrations do.
+# The views, the reshape and any copy they need count in the time and memory.
+LAYOUT = "heads"
 
 
 def _torch_sdpa_takes_enable_gqa():
@@ -148,27 +154,35 @@ def get_fn(name, s):
 
 
 def make_inputs(s, dtype, requires_grad, seed=0):
+    """q, k, v and a fixed random output gradient in LAYOUT's shapes."""
     B, H, n, m, d, causal, _ = s
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, n, d, generator=g).to(device=DEVICE, dtype=dtype)
-    k = torch.randn(B, H, m, d, generator=g).to(device=DEVICE, dtype=dtype)
-    v = torch.randn(B, H, m, d, generator=g).to(device=DEVICE, dtype=dtype)
-    go = torch.randn(B, H, n, d, generator=g).to(device=DEVICE, dtype=dtype)  # fixed random output gradient
+    shapes = [(B, H, n, d), (B, H, m, d), (B, H, m, d), (B, H, n, d)] if LAYOUT == "heads" else \
+        [(B, n, H * d), (B, m, H * d), (B, m, H * d), (B, n, H * d)]
+    q, k, v, go = (torch.randn(shape, generator=g).to(device=DEVICE, dtype=dtype) for shape in shapes)
     for t in (q, k, v):
         t.requires_grad_(requires_grad)
     return q, k, v, go
 
 
+def call_in_layout(fn, s, q, k, v):
+    """fn on the inputs of make_inputs, its output in their layout."""
+    if LAYOUT == "heads":
+        return fn(q, k, v, is_causal=s[5])
+    B, H, n, m, d = s[:5]
+    heads = [t.view(B, t.shape[1], H, d).transpose(1, 2) for t in (q, k, v)]
+    return fn(*heads, is_causal=s[5]).transpose(1, 2).reshape(B, n, H * d)
+
+
 def make_step(fn, s, mode, q, k, v, go):
-    causal = s[5]
     if mode == "fwd":
         def step():
             with torch.no_grad():
-                return fn(q, k, v, is_causal=causal)
+                return call_in_layout(fn, s, q, k, v)
     else:
         def step():
             q.grad = k.grad = v.grad = None
-            out = fn(q, k, v, is_causal=causal)
+            out = call_in_layout(fn, s, q, k, v)
             out.backward(go)
             return out
     return step
@@ -211,8 +225,8 @@ def check_close(s, dtype):
     """Forward max-abs-diff of ours vs torch (sanity check, not timed)."""
     q, k, v, _ = make_inputs(s, dtype, requires_grad=False, seed=1)
     with torch.no_grad():
-        a = attention_ext.scaled_dot_product_attention(q, k, v, is_causal=s[5])
-        b = F.scaled_dot_product_attention(q, k, v, is_causal=s[5])
+        a = call_in_layout(attention_ext.scaled_dot_product_attention, s, q, k, v)
+        b = call_in_layout(F.scaled_dot_product_attention, s, q, k, v)
     return (a.float() - b.float()).abs().max().item()
 
 
@@ -344,6 +358,8 @@ def necessary_mib(s, mode, dtype):
 def mem_child(spec):
     """Runs in a fresh interpreter: inputs + a small warm-up call, then one real call; prints JSON."""
     import resource
+    global LAYOUT
+    LAYOUT = spec.get("layout", "heads")
     s = tuple(spec["shape"])
     dtype = DTYPES[spec["dtype"]]
     mode, cand = spec["mode"], spec["cand"]
@@ -396,7 +412,7 @@ def run_mem_cuda(s, mode, dtype_name, cand):
 def run_mem_child(s, mode, dtype_name, cand, timeout=1800):
     if DEVICE == "cuda":
         return run_mem_cuda(s, mode, dtype_name, cand)
-    spec = {"shape": list(s), "mode": mode, "dtype": dtype_name, "cand": cand}
+    spec = {"shape": list(s), "mode": mode, "dtype": dtype_name, "cand": cand, "layout": LAYOUT}
     # The child imports the same attention_ext as this process (the directory that holds it first).
     env = dict(os.environ)
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(attention_ext.__file__)))
@@ -445,6 +461,10 @@ def render_markdown(res):
     L.append(f"- {meta['cpu']}; torch {meta['torch']} ({meta['torch_threads']} threads); "
              f"attention_ext {meta['build_info'].get('version')} cpu_variant=`{meta['build_info'].get('cpu_variant')}`")
     L.append(f"- command: `{meta['command']}`")
+    if meta.get("layout") == "model":
+        L.append("- **inputs in a model layer's layout** (`--layout model`): q, k, v and the output gradient are "
+                 "(B, n, H·d) tensors, viewed as (B, H, n, d) through a transpose for each call, the output turned "
+                 "back into (B, n, H·d) by transpose and reshape; any copy that needs is in the times and memory")
     L.append(f"- load average before/after: {meta['loadavg_before']} / {meta.get('loadavg_after')}")
     L.append(f"- reps={meta['reps']} (interleaved ours, torch, naive, ours, ... after {meta['warmup']} warm-up calls "
              f"each; each sample >= {meta['min_sample_s'] * 1e3:.0f} ms of back-to-back calls); times are medians per call")
@@ -666,7 +686,7 @@ def cpu_name():
 
 def run_device(a, shapes, modes, cands, dtype, reps, min_sample_s, out_prefix):
     """Times every shape (and the sweep) on DEVICE; writes out_prefix.md/.json/.png if given."""
-    meta = {"dtype": a.dtype, "modes": modes, "candidates": cands, "reps": reps, "warmup": a.warmup,
+    meta = {"dtype": a.dtype, "layout": LAYOUT, "modes": modes, "candidates": cands, "reps": reps, "warmup": a.warmup,
             "min_sample_s": min_sample_s, "device": DEVICE,
             "cpu": cpu_name() if DEVICE == "cpu" else torch.cuda.get_device_name(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "build_info": attention_ext.build_info(),
@@ -774,6 +794,9 @@ def main(argv=None):
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="auto: the CPU, then the GPU if torch sees one (PREFIX_cpu / PREFIX_cuda outputs)")
     ap.add_argument("--mode", choices=["fwd", "fwdbwd", "both"], default="both")
+    ap.add_argument("--layout", choices=["heads", "model"], default="heads",
+                    help="heads: contiguous (B, H, n, d) inputs; model: (B, n, H*d) inputs viewed through a "
+                         "transpose and the output reshaped back, as in a model layer")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per candidate (default 7, --quick 3)")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up calls per candidate before timing")
     ap.add_argument("--min-sample-ms", type=float, default=None,
@@ -839,7 +862,8 @@ def main(argv=None):
         ["cpu"] if a.device == "auto" else [a.device])
     if "cuda" in devices and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")
-    global DEVICE
+    global DEVICE, LAYOUT
+    LAYOUT = a.layout
     for device in devices:
         DEVICE = device
         out = a.out if (a.out is None or len(devices) == 1) else f"{a.out}_{device}"

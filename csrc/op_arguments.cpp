@@ -1,11 +1,14 @@
 #include "op_arguments.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
 #include <limits>
+#include <numeric>
+#include <algorithm>
 #include <sstream>
 
 #include "attention_geometry.h"
@@ -338,9 +341,12 @@ BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at
   TORCH_CHECK(!mask_requires_grad || (attn_mask.has_value() && attn_mask->is_floating_point()),
               "attention_ext: a mask gradient needs a floating attn_mask");
 
-  call.grad_q = at::empty(q.sizes(), q.options());
-  call.grad_k = at::empty(k.sizes(), k.options());
-  call.grad_v = at::empty(v.sizes(), v.options());
+  // Each gradient in its input's layout (empty_like's rule; a dense one for a broadcast input):
+  // a (batch, n, heads, d) query seen through a transpose gets a gradient the model's reshape
+  // takes without a copy.
+  call.grad_q = at::empty_like(q);
+  call.grad_k = at::empty_like(k);
+  call.grad_v = at::empty_like(v);
   call.grad_mask = mask_requires_grad ? at::zeros(attn_mask->sizes(), attn_mask->options())
                                       : at::empty({0}, q.options());
   if (lse.numel() == 0) {  // no query rows: nothing flows back
@@ -381,9 +387,30 @@ BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at
   return call;
 }
 
+std::vector<int64_t> out_dim_order(const at::Tensor& q, int64_t out_dims) {
+  const int64_t missing = out_dims - q.dim();  // the query's dims align to the right of out's
+  auto outer_key = [&](int64_t i) {
+    const int64_t qi = i - missing;
+    return qi < 0 || q.size(qi) == 1 || q.stride(qi) == 0 ? std::numeric_limits<int64_t>::max() : q.stride(qi);
+  };
+  std::vector<int64_t> order(out_dims - 1);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return outer_key(a) > outer_key(b); });
+  order.push_back(out_dims - 1);
+  return order;
+}
+
 std::pair<at::Tensor, at::Tensor> allocate_forward_outputs(const AttentionShape& shape, const at::Tensor& q) {
-  return {at::empty(with_tail(shape.batch, {shape.n, shape.dv}), q.options()),
-          at::empty(with_tail(shape.batch, {shape.n}), q.options().dtype(lse_dtype(q.scalar_type())))};
+  at::Tensor lse = at::empty(with_tail(shape.batch, {shape.n}), q.options().dtype(lse_dtype(q.scalar_type())));
+  const std::vector<int64_t> sizes = with_tail(shape.batch, {shape.n, shape.dv});
+  const std::vector<int64_t> order = out_dim_order(q, static_cast<int64_t>(sizes.size()));
+  if (std::is_sorted(order.begin(), order.end())) return {at::empty(sizes, q.options()), lse};
+  std::vector<int64_t> in_memory(sizes.size()), to_out(sizes.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    in_memory[i] = sizes[order[i]];
+    to_out[order[i]] = static_cast<int64_t>(i);
+  }
+  return {at::empty(in_memory, q.options()).permute(to_out), lse};
 }
 
 at::Tensor empty_value_for(const at::Tensor& key) {

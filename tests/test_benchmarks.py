@@ -82,6 +82,19 @@ def test_benchmark_times_the_backward_the_naive_composition_and_each_candidate_s
     assert "measured at the start" in md
 
 
+@pytest.mark.slow_on_emulation
+def test_benchmark_times_calls_in_a_model_layer_s_layout(tmp_path):
+    """--layout model: (B, n, H·d) inputs viewed through a transpose and the output reshaped back;
+    every candidate agrees with ours there, in both modes, memory included."""
+    result, md = run_bench(tmp_path, "--shapes", "2x3x8x24x16c", "--mode", "both", "--threads", "1", "--layout",
+                           "model")
+    assert result["meta"]["layout"] == "model" and "a model layer's layout" in md
+    assert [row["mode"] for row in result["rows"]] == ["fwd", "fwdbwd"]
+    for row in result["rows"]:
+        assert row["maxdiff"] < 1e-5 and set(row["median_ms"]) == {"ours", "torch", "naive"}
+        assert all("error" not in m and m["extra_mib"] >= 0 for m in row["mem"].values()), row["mem"]
+
+
 def test_the_read_probe_reports_a_plausible_rate_and_refuses_what_it_cannot_read():
     """cpu_stream_read_gbps: a rate between 0.1 GB/s and 10 TB/s (its speed is the benchmarks'
     business, not a unit test's); a clear error for a buffer it cannot read; measure_bandwidth

@@ -91,6 +91,36 @@ def test_transposed_views_are_read_through_strides():
     assert_close_to_reference(out2, attention_reference(q2, k, v)[0], torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_out_and_gradients_follow_the_inputs_layout(dtype):
+    """A query seen through a transpose of (B, N, H, D) memory gives an out laid out the same way,
+    as torch's kernels do, so the model's transpose back and reshape to (B, N, H·D) copy nothing;
+    each gradient comes in its input's order of dims. The values are those of contiguous inputs, bit for
+    bit; a contiguous query gives a contiguous out."""
+    qkv = rand(2, 19, 3, 4, 8, dtype=dtype)  # a fused projection's output: (B, N, 3, H, D)
+    q, k, v = (qkv[:, :, i].transpose(1, 2).requires_grad_() for i in range(3))
+    out = attention_ext.attention(q, k, v, causal="top_left")
+    assert out.shape == (2, 4, 19, 8) and out.transpose(1, 2).is_contiguous()
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert all(g.transpose(1, 2).is_contiguous() for g in grads)
+
+    plain = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    plain_out = attention_ext.attention(*plain, causal="top_left")
+    assert plain_out.is_contiguous() and torch.equal(plain_out, out)
+    plain_grads = torch.autograd.grad(plain_out, plain, torch.ones_like(plain_out))
+    for g, p in zip(grads, plain_grads):
+        assert p.is_contiguous() and torch.equal(g, p)
+    # one query row or one head: both layouts are the same memory order
+    assert attention_ext.attention(q[:, :, :1], k, v).is_contiguous()
+    assert attention_ext.attention(q[:, :1], k[:, :1], v[:, :1]).is_contiguous()
+    # GQA (its query heads split into (kv_heads, groups) inside): the same
+    kv = rand(2, 19, 2, 2, 8, dtype=dtype)
+    gqa_out = attention_ext.attention(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), enable_gqa=True)
+    assert gqa_out.transpose(1, 2).is_contiguous()
+    assert torch.equal(gqa_out, attention_ext.attention(q.contiguous(), kv[:, :, 0].transpose(1, 2).contiguous(),
+                                                        kv[:, :, 1].transpose(1, 2).contiguous(), enable_gqa=True))
+
+
 def test_stride_zero_expanded_inputs():
     k = rand(1, 1, 31, 8, dtype=torch.float32).expand(2, 4, 31, 8)
     v = rand(1, 1, 31, 8, dtype=torch.float32).expand(2, 4, 31, 8)

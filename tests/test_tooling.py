@@ -21,6 +21,18 @@ def fwd_samples():
     yield (rand(2, 5, 4, dtype=f32), rand(2, 7, 4, dtype=f32), rand(2, 7, 3, dtype=f32),
            torch.rand(2, 1, 7) > 0.3, 1.0, 0, 1, 2, 0.0, None, torch.randn(2), 0.25,
            draw_rng_state("cpu"))
+    # (batch, n, heads, d) memory seen through a transpose: out follows it (the fake kernel too)
+    qkv = rand(2, 5, 3, 4, 6, dtype=f32)
+    yield (*(qkv[:, :, i].transpose(1, 2) for i in range(3)), None, 0.4, 1, -1, -1, 0.0, None, None, 0.0, None)
+    # ... split into (kv_heads, groups) as for GQA; a query broadcast over a batch dim (stride 0)
+    # and one missing the leading dim: those dims go outermost
+    q = qkv[:, :, 0].transpose(1, 2).unflatten(1, (2, 2))
+    kv = rand(2, 2, 1, 7, 6, dtype=f32)
+    yield (q, kv, kv, None, 0.4, 0, -1, -1, 0.0, None, None, 0.0, None)
+    yield (rand(1, 5, 4, 6, dtype=f32).transpose(1, 2).expand(3, 4, 5, 6), rand(3, 4, 7, 6, dtype=f32),
+           rand(3, 4, 7, 2, dtype=f32), None, 0.4, 0, -1, -1, 0.0, None, None, 0.0, None)
+    yield (rand(5, 4, 6, dtype=f32).transpose(0, 1), rand(3, 4, 7, 6, dtype=f32), rand(3, 4, 7, 2, dtype=f32), None,
+           0.4, 0, -1, -1, 0.0, None, None, 0.0, None)
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])
@@ -37,6 +49,13 @@ def test_opcheck_backward(requires_grad):
     out, lse = ops.attention_fwd(q, k, v, mask, 0.5, 1, -1, -1, 0.0, None, None, 0.0, None)
     args = [torch.randn_like(out), torch.randn_like(lse), q, k, v, mask, out, lse, 0.5, 1, -1, -1, 20.0, torch.rand(2),
             torch.randn(2, dtype=torch.float64), 0.0, None, True]
+    args = [a.clone().requires_grad_(requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+    torch.library.opcheck(ops.attention_bwd, args)
+    # inputs seen through a transpose: the gradients come in their layout (the fake kernel's too)
+    qkv = rand(2, 5, 3, 4, 6)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    out, lse = ops.attention_fwd(q, k, v, None, 0.5, 1, -1, -1, 0.0, None, None, 0.0, None)
+    args = [torch.randn_like(out), None, q, k, v, None, out, lse, 0.5, 1, -1, -1, 0.0, None, None, 0.0, None, False]
     args = [a.clone().requires_grad_(requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
     torch.library.opcheck(ops.attention_bwd, args)
 
