@@ -121,6 +121,31 @@ def test_out_and_gradients_follow_the_inputs_layout(dtype):
                                                         kv[:, :, 1].transpose(1, 2).contiguous(), enable_gqa=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 500, 64, "top_left"), (1, 2, 2, 130, 1100, 512, None),
+                                   (1, 1, 1, 1100, 300, 512, "bottom_right")],
+                         ids=["gqa-causal", "key-tiles-past-the-kept-ones", "query-tiles-past-the-kept-ones"])
+def test_packed_tiles_kept_across_tiles_give_the_bits_of_contiguous_inputs(cpu_variant, dtype, shape):
+    """Rows a model's (B, n, H, d) layout spaces apart are packed, and each packed tile is kept for
+    the next tiles that read it (the forward's K/V tiles across a head's query tiles and the heads
+    of a GQA group, the fused backward's Q/dO tiles across its key tiles) as far as a budget goes,
+    later ones packed on every visit (d = 512: past the budget at ~1000 keys or queries). The
+    results are those of contiguous inputs, bit for bit."""
+    batch, heads, kv_heads, n, m, d, causal = shape
+    qkv = [rand(batch, length, h, d, dtype=dtype) for length, h in ((n, heads), (m, kv_heads), (m, kv_heads))]
+    model = [t.transpose(1, 2).requires_grad_() for t in qkv]
+    dense = [t.detach().contiguous().requires_grad_() for t in model]
+    go = rand(batch, heads, n, d, dtype=dtype)
+    results = []
+    for q, k, v in (model, dense):
+        out = attention_ext.attention(q, k, v, causal=causal, enable_gqa=heads != kv_heads)
+        results.append([out, *torch.autograd.grad(out, (q, k, v), go)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    reference = attention_reference(*model, causal=causal, enable_gqa=heads != kv_heads)[0]
+    assert_close_to_reference(results[0][0], reference, dtype)
+
+
 def test_stride_zero_expanded_inputs():
     k = rand(1, 1, 31, 8, dtype=torch.float32).expand(2, 4, 31, 8)
     v = rand(1, 1, 31, 8, dtype=torch.float32).expand(2, 4, 31, 8)
