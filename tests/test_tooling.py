@@ -160,6 +160,28 @@ def test_torch_compile_dynamic_fullgraph_with_float_arguments(call):
             compiled(q, 0.3, float("inf"))
 
 
+def test_a_compiled_model_layer_with_dynamic_shapes_equals_the_eager_one():
+    """A layer as models write it (projections viewed as heads through a transpose, GQA, the output
+    reshaped back), compiled with dynamic shapes: the fake kernels' layout rules (out and the
+    gradients in the inputs' order of dims) hold for symbolic sizes, and the results are the
+    eager ones, bit for bit, at every length."""
+    def layer(x, kv):
+        batch, n, _ = x.shape
+        q = x.view(batch, n, 4, 8).transpose(1, 2)
+        k, v = (kv[..., i * 16:(i + 1) * 16].reshape(batch, kv.shape[1], 2, 8).transpose(1, 2) for i in range(2))
+        out = attention_ext.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(batch, n, 32)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", dynamic=True, fullgraph=True)
+    for n in (9, 17, 70):
+        x, kv = rand(2, n, 32, requires_grad=True), rand(2, n, 32, requires_grad=True)
+        ours, eager = compiled(x, kv), layer(x, kv)
+        assert torch.equal(ours, eager)
+        for a, b in zip(torch.autograd.grad(ours.sum(), (x, kv)), torch.autograd.grad(eager.sum(), (x, kv))):
+            assert torch.equal(a, b)
+
+
 def test_a_compiled_kv_cache_call_checks_scale_and_softcap_before_it_appends():
     """flash_attn_with_kvcache checks every rule before it writes the cache, compiled as well: a
     bad softcap or scale raises the eager call's ValueError and the cache is left as it was."""
