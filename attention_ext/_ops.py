@@ -3,8 +3,6 @@ torch.export can trace them without running them. The fake kernels check the arg
 rules in _arguments.py, the ones the compiled kernels check."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ._build import load_extension
@@ -85,16 +83,16 @@ def _attention_fwd_fake(query, key, value, attn_mask, scale, causal, window_left
 
 def out_dim_order(query, out_dims):
     """The order in memory, outermost first, of attention_fwd's out dims (batch..., n, d_v): the
-    query's, read from its strides, largest first, with a dim the query broadcasts (missing, size 1
-    or stride 0) outermost and ties kept in order; d_v innermost. (The kernels' side,
-    csrc/op_arguments.h, states the same rule and why.)"""
+    dims the query has (size > 1, stride not 0) in the query's order, read from its strides,
+    largest first (ties kept in order); the dims it broadcasts where they are; d_v innermost. (The
+    kernels' side, csrc/op_arguments.h, states the same rule and why.)"""
     missing = out_dims - query.dim()
-
-    def outer_key(i):
-        qi = i - missing
-        return math.inf if qi < 0 or query.shape[qi] == 1 or query.stride(qi) == 0 else query.stride(qi)
-
-    return sorted(range(out_dims - 1), key=outer_key, reverse=True) + [out_dims - 1]
+    slots = [i for i in range(missing, out_dims - 1)
+             if query.shape[i - missing] != 1 and query.stride(i - missing) != 0]
+    order = list(range(out_dims))
+    for slot, dim in zip(slots, sorted(slots, key=lambda i: query.stride(i - missing), reverse=True)):
+        order[slot] = dim
+    return order
 
 
 @torch.library.register_fake("attention_ext::attention_bwd")

@@ -389,14 +389,15 @@ BackwardCall prepare_backward(const at::Tensor& grad_out, const std::optional<at
 
 std::vector<int64_t> out_dim_order(const at::Tensor& q, int64_t out_dims) {
   const int64_t missing = out_dims - q.dim();  // the query's dims align to the right of out's
-  auto outer_key = [&](int64_t i) {
-    const int64_t qi = i - missing;
-    return qi < 0 || q.size(qi) == 1 || q.stride(qi) == 0 ? std::numeric_limits<int64_t>::max() : q.stride(qi);
-  };
-  std::vector<int64_t> order(out_dims - 1);
+  std::vector<int64_t> order(out_dims);
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return outer_key(a) > outer_key(b); });
-  order.push_back(out_dims - 1);
+  std::vector<int64_t> slots;  // the dims the query has (size > 1, a stride), in out's order
+  for (int64_t i = missing; i < out_dims - 1; ++i)
+    if (q.size(i - missing) != 1 && q.stride(i - missing) != 0) slots.push_back(i);
+  std::vector<int64_t> by_stride = slots;
+  std::stable_sort(by_stride.begin(), by_stride.end(),
+                   [&](int64_t a, int64_t b) { return q.stride(a - missing) > q.stride(b - missing); });
+  for (size_t s = 0; s < slots.size(); ++s) order[slots[s]] = by_stride[s];
   return order;
 }
 

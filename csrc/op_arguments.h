@@ -61,13 +61,14 @@ TensorRef make_row_ref(const at::Tensor& t, const std::vector<int64_t>& batch);
 // The same for rows (batch..., n) stored contiguously at data (as make_row_ref of such a tensor).
 TensorRef contiguous_row_ref(void* data, const std::vector<int64_t>& batch, int64_t n);
 
-// The order in memory, outermost first, of out's dims (batch..., n, d_v): the query's order, read
-// from its strides, largest first, with a dim the query broadcasts (missing, size 1 or stride 0)
-// outermost and ties kept in order; d_v innermost. So a query seen through a transpose of
-// (batch, n, heads, d) memory, as model code and FlashAttention's layout give it (also split into
-// (kv_heads, groups) for GQA), gets an out whose transpose back to (batch, n, heads, d_v) is
-// contiguous and whose reshape to (batch, n, heads * d_v) is free, as with torch's own kernels; a
-// contiguous query, a contiguous out. The fake kernel (attention_ext/_ops.py) states the same rule.
+// The order in memory, outermost first, of out's dims (batch..., n, d_v): the dims the query has
+// (size > 1, stride not 0) in the query's order, read from its strides, largest first (ties kept in
+// order); the dims it broadcasts (missing, size 1, stride 0) where they are; d_v innermost. So a
+// query seen through a transpose of (batch, n, heads, d) memory, as model code and FlashAttention's
+// layout give it (also split into (kv_heads, groups) for GQA), gets an out whose transpose back to
+// (batch, n, heads, d_v) is contiguous and whose reshape to (batch, n, heads * d_v) is free, as
+// with torch's fused kernels (which return that memory order for any query); a contiguous query, a
+// contiguous out. The fake kernel (attention_ext/_ops.py) states the same rule.
 std::vector<int64_t> out_dim_order(const at::Tensor& q, int64_t out_dims);
 
 // Forward outputs: out (batch..., n, d_v) in the query's dtype laid out by out_dim_order, and

@@ -113,6 +113,9 @@ def test_out_and_gradients_follow_the_inputs_layout(dtype):
     # one query row or one head: both layouts are the same memory order
     assert attention_ext.attention(q[:, :, :1], k, v).is_contiguous()
     assert attention_ext.attention(q[:, :1], k[:, :1], v[:, :1]).is_contiguous()
+    # a contiguous query broadcast over the heads or the batch: a contiguous out
+    assert attention_ext.attention(plain[0][:, :1], *plain[1:]).is_contiguous()
+    assert attention_ext.attention(plain[0][0], *plain[1:]).is_contiguous()
     # GQA (its query heads split into (kv_heads, groups) inside): the same
     kv = rand(2, 19, 2, 2, 8, dtype=dtype)
     gqa_out = attention_ext.attention(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), enable_gqa=True)
@@ -125,12 +128,16 @@ def test_out_and_gradients_follow_the_inputs_layout(dtype):
 @pytest.mark.parametrize("shape", [(2, 4, 2, 300, 500, 64, "top_left"), (1, 2, 2, 130, 1100, 512, None),
                                    (1, 1, 1, 1100, 300, 512, "bottom_right")],
                          ids=["gqa-causal", "key-tiles-past-the-kept-ones", "query-tiles-past-the-kept-ones"])
-def test_packed_tiles_kept_across_tiles_give_the_bits_of_contiguous_inputs(cpu_variant, dtype, shape):
+@pytest.mark.parametrize("backward", ["fused", "split"])
+def test_packed_tiles_kept_across_tiles_give_the_bits_of_contiguous_inputs(cpu_variant, dtype, shape, backward,
+                                                                           monkeypatch):
     """Rows a model's (B, n, H, d) layout spaces apart are packed, and each packed tile is kept for
     the next tiles that read it (the forward's K/V tiles across a head's query tiles and the heads
     of a GQA group, the fused backward's Q/dO tiles across its key tiles) as far as a budget goes,
-    later ones packed on every visit (d = 512: past the budget at ~1000 keys or queries). The
-    results are those of contiguous inputs, bit for bit."""
+    later ones packed on every visit (d = 512: past the budget at ~1000 keys or queries), with
+    either backward (the split one keeps none). The results are those of contiguous inputs, bit
+    for bit."""
+    monkeypatch.setenv("ATTENTION_EXT_CPU_BACKWARD", backward)
     batch, heads, kv_heads, n, m, d, causal = shape
     qkv = [rand(batch, length, h, d, dtype=dtype) for length, h in ((n, heads), (m, kv_heads), (m, kv_heads))]
     model = [t.transpose(1, 2).requires_grad_() for t in qkv]
