@@ -19,6 +19,10 @@ What differs, on purpose:
   * a query row that sees no key (causal with seqlen_q > seqlen_k, a window that excludes every
     key) has softmax_lse = -inf, log(0) (FlashAttention 2's unsplit kernels write +inf there);
     its output is 0 in both.
+  * with alibi_slopes, softmax_lse is that of the bias stated below, -slope·|i + seqlen_k -
+    seqlen_q - j|, with causal=True too. FlashAttention's causal kernels (without a window) add
+    +slope·j instead, which differs from it by the same slope·(i + seqlen_k - seqlen_q) across a
+    row: the same output and probabilities, but an lse larger by that amount.
 
 window_size=(left, right) is FlashAttention's sliding window, bottom-right aligned: key j is
 visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1:

@@ -128,6 +128,23 @@ def test_softcap_and_alibi_match_the_reference(dtype, softcap, alibi, sq, sk, kv
         torch.testing.assert_close(a.double(), b, rtol=4 * rtol, atol=4 * atol, msg=lambda m: f"d{name}: {m}")
 
 
+@pytest.mark.parametrize("sq,sk", [(5, 9), (9, 9)], ids=str)
+def test_causal_alibi_lse_is_that_of_the_stated_bias_not_flash_attentions_column_bias(sq, sk):
+    # FlashAttention's causal kernels add +slope·j (the same softmax, as the row's bias moves by a
+    # constant); ours is -slope·|i + sk - sq - j|, so its lse is smaller by slope·(i + sk - sq).
+    q, k, v = make(2, sq, sk, 2, 2, 16, torch.float64)
+    slopes = torch.tensor([0.5, 0.25])
+    out, lse, probs = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True)
+    ref_out, ref_lse = reference(q, k, v, causal=True, alibi_slopes=slopes)
+    torch.testing.assert_close(lse, ref_lse)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) / 4.0 + slopes[:, None, None] * torch.arange(sk)
+    s = s.masked_fill(torch.arange(sk) > torch.arange(sq)[:, None] + sk - sq, -math.inf)
+    column_bias = torch.softmax(s, -1)
+    torch.testing.assert_close(probs, column_bias)
+    shift = slopes[:, None] * (torch.arange(sq) + sk - sq)
+    torch.testing.assert_close(lse + shift, torch.logsumexp(s, -1))
+
+
 def test_gradcheck_in_float64_through_the_fused_kernels():
     q, k, v = make(1, 5, 7, 4, 2, 6, torch.float64, requires_grad=True)
     assert gradcheck(lambda q, k, v: flash_attn_func(q, k, v, causal=True), (q, k, v))
