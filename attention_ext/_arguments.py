@@ -45,6 +45,12 @@ def flag(value, name: str, prefix: str = PREFIX, integers: bool = False) -> bool
     raise TypeError(f"{prefix}{name} must be a bool, got {shown}")
 
 
+def shape_is_one_of(shape, *allowed) -> bool:
+    """Whether `shape` is one of the `allowed` tuples, compared size by size: `tuple(shape) in
+    allowed` is False under torch.compile when a size is symbolic and the other fixed."""
+    return any(len(shape) == len(a) and all(x == y for x, y in zip(shape, a)) for a in allowed)
+
+
 def device_rule(check: Check, t: torch.Tensor, name: str, device: torch.device, cpu_ok: bool = False) -> None:
     """t on `device` (query's), or with cpu_ok also on the CPU (index tensors the kernels copy):
     every tensor argument's device rule. In a fake kernel this is also what refuses a stray meta

@@ -56,7 +56,7 @@ import numbers
 
 import torch
 
-from ._arguments import enforce, flag, head_groups_rule
+from ._arguments import enforce, flag, head_groups_rule, shape_is_one_of
 from .api import attention, attention_weights
 from .kv_cache import flash_attn_with_kvcache
 from .varlen import varlen_attention
@@ -131,7 +131,7 @@ def _check_alibi(alibi_slopes, batch, heads, prefix="attention_ext.flash: "):
     if alibi_slopes is None:
         return
     if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32 \
-            or tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+            or not shape_is_one_of(alibi_slopes.shape, (heads,), (batch, heads)):
         got = f"{alibi_slopes.dtype} of shape {tuple(alibi_slopes.shape)}" if isinstance(alibi_slopes, torch.Tensor) \
             else type(alibi_slopes).__name__
         raise TypeError(f"{prefix}alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads}) (one slope "

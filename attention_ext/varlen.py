@@ -163,7 +163,7 @@ def _per_head(values, name, heads, kv_heads, sequences, dtype):
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"attention_ext: {name} must be a torch.Tensor or None, got {type(values).__name__}")
     allowed = [(heads,)] + ([(sequences, heads)] if name == "alibi_slopes" else [])
-    if tuple(values.shape) not in allowed:
+    if not _arguments.shape_is_one_of(values.shape, *allowed):
         raise ValueError(f"attention_ext: {name} must have shape " + " or ".join(map(str, allowed))
                          + f", got {tuple(values.shape)}")
     if name == "alibi_slopes":

@@ -243,6 +243,23 @@ def test_compiles_fullgraph():
     torch.testing.assert_close(compiled(q, k, v), flash_attn_func(q, k, v, causal=True))
 
 
+@pytest.mark.parametrize("function", ["flash_attn_func", "flash_attn_with_kvcache"])
+def test_per_entry_alibi_slopes_compile_once_the_batch_size_is_dynamic(function):
+    # The third batch size brings the first (batch, heads) slopes, after torch.compile has made
+    # the batch size symbolic: the shape rule compares it size by size, so the call is taken.
+    call = getattr(attention_ext, function)
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend="eager", fullgraph=True)
+    g = torch.Generator().manual_seed(5)
+    for batch, slopes in ((3, False), (4, False), (5, True), (6, True)):
+        q = torch.randn(batch, 1, 2, 8, generator=g)
+        k, v = (torch.randn(batch, 12, 1, 8, generator=g) for _ in range(2))
+        kwargs = dict(alibi_slopes=torch.rand(batch, 2, generator=g)) if slopes else {}
+        if function == "flash_attn_with_kvcache":
+            kwargs["cache_seqlens"] = torch.randint(1, 12, (batch,), dtype=torch.int32, generator=g)
+        assert torch.equal(compiled(q, k, v, **kwargs), call(q, k, v, **kwargs)), batch
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"window_size": 5}, TypeError, r"window_size must be a pair of ints"),
     ({"softcap": float("nan")}, ValueError, r"softcap must be a finite number > 0 \(or None / 0.0 for none\), got nan"),
