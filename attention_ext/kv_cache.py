@@ -355,11 +355,51 @@ def _may_share_memory(a, b):
 
 
 def _same_memory(a, b):
-    """Whether a and b certainly share elements: the same first element, or two dense tensors in
-    overlapping bytes (ATen's full and partial overlap; interleaved views, as a packed KV cache's
-    two halves, are not)."""
-    return a.numel() > 0 and b.numel() > 0 and (a.data_ptr() == b.data_ptr() or
-                                                 (_dense(a) and _dense(b) and _may_share_memory(a, b)))
+    """Whether a and b certainly share elements: the same first element, two dense tensors in
+    overlapping bytes (ATen's full and partial overlap), or views with the same strides that meet
+    (_strided_views_meet). Interleaved views, as a packed KV cache's two halves, are not.
+    (csrc/kv_cache.cpp's same_memory is the C++ twin.)"""
+    if a.numel() == 0 or b.numel() == 0 or not _may_share_memory(a, b):
+        return False
+    return a.data_ptr() == b.data_ptr() or (_dense(a) and _dense(b)) or _strided_views_meet(a, b)
+
+
+_MEET_SEARCH_BUDGET = 4096
+
+
+def _strided_views_meet(a, b):
+    """Whether views a and b with the same strides (and element size) have an element in common:
+    index x of a and y of b with sum_i stride_i·(x_i − y_i) = b's first element − a's. The
+    differences are found dim by dim, largest stride first, each among the values that leave a
+    remainder the smaller strides can still make (one or two where the strides nest, as slices of
+    one tensor's do). Other strides, or a search past its budget: False (not decided)."""
+    size = a.element_size()
+    distance = b.data_ptr() - a.data_ptr()
+    if size != b.element_size() or a.stride() != b.stride() or distance % size != 0:
+        return False
+    # (stride, largest x − y, smallest x − y) per dim that can differ
+    dims = sorted(((st, na - 1, 1 - nb) for st, na, nb in zip(a.stride(), a.shape, b.shape) if st != 0),
+                  reverse=True)
+    reach_high = [0] * (len(dims) + 1)  # the sums dims[i:] can reach: [reach_low[i], reach_high[i]]
+    reach_low = [0] * (len(dims) + 1)
+    for i in range(len(dims) - 1, -1, -1):
+        st, high, low = dims[i]
+        reach_high[i] = reach_high[i + 1] + st * high
+        reach_low[i] = reach_low[i + 1] + st * low
+    budget = [_MEET_SEARCH_BUDGET]
+
+    def meet(i, rest):
+        if i == len(dims):
+            return rest == 0
+        budget[0] -= 1
+        if budget[0] < 0:
+            return False
+        st, high, low = dims[i]
+        first = max(low, -((reach_high[i + 1] - rest) // st))  # st·d >= rest − reach_high[i + 1]
+        last = min(high, (rest - reach_low[i + 1]) // st)  # st·d <= rest − reach_low[i + 1]
+        return any(meet(i + 1, rest - st * d) for d in range(first, last + 1))
+
+    return meet(0, distance // size)
 
 
 def _heads_first(cache):

@@ -29,10 +29,58 @@ bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
   return a0 < b1 && b0 < a1;
 }
 
+namespace {
+// Whether views a and b with the same strides (and element size) have an element in common:
+// index x of a and y of b with sum_i stride_i·(x_i − y_i) = b's first element − a's. The
+// differences are found dim by dim, largest stride first, each among the values that leave a
+// remainder the smaller strides can still make (one or two where the strides nest, as slices of
+// one tensor's do). Other strides, or a search past its budget: false (not decided).
+constexpr int64_t kMeetSearchBudget = 4096;
+struct StridedMeet {
+  struct Dim {
+    int64_t stride, high, low;  // x − y in [low, high]
+  };
+  std::vector<Dim> dims;
+  std::vector<int64_t> reach_low, reach_high;  // the sums dims[i:] can reach
+  int64_t budget = kMeetSearchBudget;
+
+  bool meet(size_t i, int64_t rest) {
+    if (i == dims.size()) return rest == 0;
+    if (--budget < 0) return false;
+    const Dim& dim = dims[i];
+    const int64_t first = std::max(dim.low, -floor_div(reach_high[i + 1] - rest, dim.stride));
+    const int64_t last = std::min(dim.high, floor_div(rest - reach_low[i + 1], dim.stride));
+    for (int64_t d = first; d <= last; ++d)
+      if (meet(i + 1, rest - dim.stride * d)) return true;
+    return false;
+  }
+  static int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
+};
+
+bool strided_views_meet(const at::Tensor& a, const at::Tensor& b) {
+  const int64_t size = a.element_size();
+  const int64_t distance = reinterpret_cast<intptr_t>(b.data_ptr()) - reinterpret_cast<intptr_t>(a.data_ptr());
+  if (size != b.element_size() || a.strides() != b.strides() || distance % size != 0) return false;
+  StridedMeet search;
+  for (int64_t dim = 0; dim < a.dim(); ++dim)
+    if (a.stride(dim) != 0) search.dims.push_back({a.stride(dim), a.size(dim) - 1, 1 - b.size(dim)});
+  std::sort(search.dims.begin(), search.dims.end(), [](const StridedMeet::Dim& x, const StridedMeet::Dim& y) {
+    return x.stride != y.stride ? x.stride > y.stride : x.high > y.high;
+  });
+  search.reach_low.assign(search.dims.size() + 1, 0);
+  search.reach_high.assign(search.dims.size() + 1, 0);
+  for (size_t i = search.dims.size(); i-- > 0;) {
+    search.reach_high[i] = search.reach_high[i + 1] + search.dims[i].stride * search.dims[i].high;
+    search.reach_low[i] = search.reach_low[i + 1] + search.dims[i].stride * search.dims[i].low;
+  }
+  return search.meet(0, distance / size);
+}
+}  // namespace
+
 bool same_memory(const at::Tensor& a, const at::Tensor& b) {
-  return a.numel() > 0 && b.numel() > 0 &&
-         (a.data_ptr() == b.data_ptr() ||
-          (a.is_non_overlapping_and_dense() && b.is_non_overlapping_and_dense() && may_share_memory(a, b)));
+  if (a.numel() == 0 || b.numel() == 0 || !may_share_memory(a, b)) return false;
+  return a.data_ptr() == b.data_ptr() ||
+         (a.is_non_overlapping_and_dense() && b.is_non_overlapping_and_dense()) || strided_views_meet(a, b);
 }
 
 // A per-entry int32 vector argument (B,), on q's device or the CPU, read to the host (kv_cache.h).

@@ -27,9 +27,11 @@ namespace attention_ext {
 // Whether a and b lie in overlapping bytes, so that some element of each may be the same memory
 // (new rows taken from a cache are copied before they are written into it).
 bool may_share_memory(const at::Tensor& a, const at::Tensor& b);
-// Whether a and b certainly share elements: the same first element, or two dense tensors in
-// overlapping bytes (ATen's full and partial overlap; interleaved views such as a packed cache's K
-// and V halves are not). Caches that are one memory cannot both take appends.
+// Whether a and b certainly share elements: the same first element, two dense tensors in
+// overlapping bytes (ATen's full and partial overlap), or views with the same strides that meet
+// (an element of one is an element of the other; interleaved views such as a packed cache's K and
+// V halves are not). Caches that are one memory cannot both take appends. (attention_ext/
+// kv_cache.py's _same_memory is the Python twin.)
 bool same_memory(const at::Tensor& a, const at::Tensor& b);
 
 struct KVCacheCall {

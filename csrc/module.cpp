@@ -317,7 +317,7 @@ PyObject* rotary_below_autograd(PyObject*, PyObject* const* items, Py_ssize_t co
 // out, or (out, softmax_lse), or None: the Python path decides. Taken here: exact tensors (no
 // subclass) and None; cache_seqlens also as an exact int; softmax_scale None or a finite float
 // (|scale| <= 1e30, within every dtype's rule); causal, rotary_interleaved and return_softmax_lse
-// as bools; window_size a tuple of two ints; softcap None or a float; num_splits an int >= 0 (a
+// as bools; window_size a tuple of two ints; softcap a float; num_splits an int >= 0 (a
 // hint the CPU kernels do not need). Everything else, and every call kv_cache_step declines,
 // answers None.
 PyObject* kvcache_step(PyObject*, PyObject* const* items, Py_ssize_t count) {
@@ -356,7 +356,8 @@ PyObject* kvcache_step(PyObject*, PyObject* const* items, Py_ssize_t count) {
     }
     (side == 0 ? step.window_left : step.window_right) = value;
   }
-  if (items[14] != Py_None) step.softcap = a.real(14);
+  if (items[14] == Py_None) Py_RETURN_NONE;  // (refused by the Python path, as FlashAttention's float argument)
+  step.softcap = a.real(14);
   step.rotary_interleaved = a.boolean(15);
   step.alibi_slopes = a.optional_tensor(16);
   const bool splits_ok = PyLong_CheckExact(items[17]) && a.integer(17) >= 0;

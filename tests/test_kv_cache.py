@@ -308,6 +308,7 @@ BAD = [
     (dict(alibi_slopes=torch.ones(3)), TypeError, r"alibi_slopes must be float32 of shape \(4,\)"),
     (dict(five_entries=True), IndexError, "larger than the cache's 4 rows: pass cache_batch_idx"),
     (dict(softcap=1e39), ValueError, "softcap must be within the"),
+    (dict(softcap=None), TypeError, "softcap must be a float, got NoneType"),
     (dict(bad_read_block=True), IndexError, r"block_table\[0, 0\] = 99 is outside the cache's 23 blocks"),
     (dict(meta_table=True), ValueError, "block_table must be on cpu, got meta"),
     (dict(expanded=True), ValueError, r"k_cache is an expanded view \(stride 0 in dim 0"),
@@ -459,6 +460,21 @@ def test_caches_that_share_memory_without_sharing_slots_take_appends():
     with pytest.raises(ValueError, match="k_cache and v_cache are the same memory"):  # one slot apart
         flash_attn_with_kvcache(q, cache, memory[4:].view(2, 8, 1, 4), k, v, cache_seqlens=0)
     assert not memory.any()
+    # Views of one tensor that share some slots (heads 0-1 and 1-2 of three) but neither their first
+    # element nor dense memory: refused on both paths, nothing written; heads 0-1 and 2-3 of four
+    # are apart, and taken.
+    heads = torch.zeros(2, 8, 3, 4)
+    for cxx_step in (attention_ext._ops.KVCACHE_STEP, None):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(attention_ext._ops, "KVCACHE_STEP", cxx_step)
+            with pytest.raises(ValueError, match="k_cache and v_cache are the same memory"):
+                flash_attn_with_kvcache(q.expand(2, 1, 2, 4), heads[:, :, 0:2], heads[:, :, 1:3],
+                                        k.expand(2, 1, 2, 4), v.expand(2, 1, 2, 4), cache_seqlens=0)
+    assert not heads.any()
+    apart = torch.zeros(2, 8, 4, 4)
+    flash_attn_with_kvcache(q.expand(2, 1, 2, 4), apart[:, :, 0:2], apart[:, :, 2:4], k.expand(2, 1, 2, 4),
+                            v.expand(2, 1, 2, 4), cache_seqlens=1)
+    assert torch.equal(apart[:, 1], torch.cat([k.expand(2, 1, 2, 4), v.expand(2, 1, 2, 4)], 2)[:, 0])
     k_cache, v_cache = torch.zeros(1, 8, 1, 4), torch.zeros(1, 8, 1, 4)
     one_row = torch.zeros(2, dtype=torch.int32)
     scaled = k * torch.tensor([1.0, 3.0]).view(2, 1, 1, 1)
@@ -614,6 +630,7 @@ STEP_DECLINES = {  # what the C++ step leaves to the Python path (which computes
     "an int softcap": dict(softcap=20),
     "a softcap beyond float32": dict(softcap=1e39),
     "a negative softcap": dict(softcap=-1.0),
+    "a None softcap": dict(softcap=None),
     "float64 ALiBi slopes": dict(alibi_slopes=torch.ones(8, dtype=torch.float64)),
     "ALiBi slopes of the K/V heads' count": dict(alibi_slopes=torch.ones(2)),
     "an int scale": dict(softmax_scale=1),
@@ -794,8 +811,10 @@ ops = torch.ops.attention_ext
 i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
 kc, vc = torch.zeros(2, 8, 2, 4), torch.zeros(2, 8, 2, 4)
 pages = torch.zeros(4, 4, 2, 4)
+three_heads = torch.zeros(2, 8, 3, 4)
 k, v = torch.randn(2, 1, 2, 4), torch.randn(2, 1, 2, 4)
 calls = [
+    (three_heads[:, :, :2], three_heads[:, :, 1:], k, v, i32(3, 3), None, None),  # K and V share head 1
     (kc, torch.zeros(2, 8, 1, 4), k, v[:, :, :1], i32(3, 3), None, None),  # caches with different heads
     (kc, vc, k, v, i32(3, 8), None, None),                                   # a position past the cache
     (kc, vc, k, v, i32(-1, 0), None, None),                                  # a negative one
@@ -826,7 +845,7 @@ except RuntimeError as e:
     assert "inference tensor" in str(e), e
 else:
     raise SystemExit("no error for an inference cache outside inference mode")
-assert not kc.any() and not vc.any() and not pages.any() and not kc_inference.any()
+assert not kc.any() and not vc.any() and not pages.any() and not kc_inference.any() and not three_heads.any()
 print("ok")
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
