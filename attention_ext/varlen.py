@@ -135,6 +135,12 @@ class VarlenAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         return _backward(ctx, grad_out, grad_lse)
 
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError("attention_ext: varlen_attention has no forward-mode AD (torch.func.jvp, "
+                                  "torch.autograd.forward_ad): its backward is first order; attention() on a padded "
+                                  "batch with a mask has both")
+
 
 # ----------------------------------------------------------------------------------------------
 # The public function.

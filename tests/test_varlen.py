@@ -266,6 +266,19 @@ def test_a_second_derivative_raises_however_it_is_asked_for():
         torch.func.jacrev(torch.func.jacrev(linear_loss))(q)
 
 
+def test_forward_mode_ad_raises_a_message_of_its_own():
+    """No forward-mode AD (the backward is first order): torch.func.jvp and forward_ad's dual
+    tensors each raise this package's NotImplementedError, not torch's generic one."""
+    q, k, v, cu_q, cu_k = packed_inputs([5, 3], [6, 4], 2, 1, 8, dtype=torch.float64)
+    message = "varlen_attention has no forward-mode AD"
+    f = lambda x: varlen_attention(x, k, v, cu_q, cu_k, 5, 6)  # noqa: E731
+    with pytest.raises(NotImplementedError, match=message):
+        torch.func.jvp(f, (q,), (torch.ones_like(q),))
+    with torch.autograd.forward_ad.dual_level():
+        with pytest.raises(NotImplementedError, match=message):
+            flash_attn_varlen_func(q, torch.autograd.forward_ad.make_dual(k, torch.ones_like(k)), v, cu_q, cu_k, 5, 6)
+
+
 @pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
 def test_a_first_order_jacobian_through_torch_func():
     """torch.func.jacrev runs the first-order backward under vmap: the Jacobian is
