@@ -220,7 +220,9 @@ def _split_gqa_heads(values, name, call):
     with the split batch dims (before _fold_batch_dims merges any leading ones)."""
     if call.heads is None or not isinstance(values, torch.Tensor) or values.dim() == 0:
         return values
-    if values.shape[-1] not in (call.heads, 1):  # (it would broadcast over the groups, not the heads)
+    # (A size of one per K/V head would broadcast over the groups, not the heads. Compared one by
+    # one: under torch.compile `size in (...)` is False for a symbolic size.)
+    if values.shape[-1] != call.heads and values.shape[-1] != 1:
         raise ValueError(f"attention_ext: {name} must have one value per query head ({call.heads}) or a single "
                          f"value in its last dim, got shape {tuple(values.shape)}")
     if values.shape[-1] == 1:
@@ -482,7 +484,7 @@ def _fold_batch_dims(call: _Prepared, alibi_slopes, sinks):
         if not isinstance(t, torch.Tensor) or t.dim() - trailing <= len(batch) - len(lead):
             return t  # (None, or broadcasting against the kept dims only; bad ones are reported later)
         t = t.reshape((1,) * (len(batch) + trailing - t.dim()) + tuple(t.shape))  # (a view: leading 1s)
-        if any(size not in (1, want) for size, want in zip(t.shape[:len(lead)], lead)):
+        if any(size != 1 and size != want for size, want in zip(t.shape[:len(lead)], lead)):
             raise ValueError(f"attention_ext: {name} of shape {tuple(t.shape)} does not broadcast to the batch dims "
                              f"{tuple(batch)}")
         return t.expand(*lead, *t.shape[len(lead):]).flatten(0, len(lead) - 1)

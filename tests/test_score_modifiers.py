@@ -217,6 +217,25 @@ def test_opcheck_vmap_and_compiled_fullgraph_calls():
     torch.testing.assert_close(compiled(q, k, v), fn(q, k, v))
 
 
+@pytest.mark.parametrize("modifier", ["sinks", "alibi_slopes"])
+def test_per_query_head_values_with_gqa_compile_with_symbolic_heads(modifier):
+    # A module's (heads,) parameter beside GQA inputs whose head count torch.compile made symbolic
+    # (dynamic=True): the per-head rule takes it, as eagerly, with no graph break.
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.values = torch.nn.Parameter(torch.rand(4), requires_grad=modifier == "sinks")
+
+        def forward(self, q, k, v):
+            return attention_ext.attention(q, k, v, enable_gqa=True, **{modifier: self.values})
+
+    layer = Layer()
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="eager", dynamic=True)
+    torch.testing.assert_close(compiled(q, k, v), layer(q, k, v), rtol=0, atol=0)
+
+
 # --- Sinks ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
