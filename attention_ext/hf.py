@@ -49,8 +49,9 @@ from .varlen import varlen_attention
 
 __all__ = ["register", "attention_forward", "mask_function", "CausalKeyMask", "calls"]
 
-# Number of attention calls served by attention_forward since import (tests read it to prove the
-# kernels ran).
+# Number of attention calls served by attention_forward since import, eagerly (tests read it to prove
+# the kernels ran). Compiled calls do not count: torch.compile would guard on the global's value and
+# recompile the model on every call.
 calls = 0
 
 
@@ -88,9 +89,29 @@ class CausalKeyMask(torch.Tensor):
 
     A sliding-window layer's mask says its window in its class (`window`: transformers' local_size,
     for the layers that do not pass sliding_window themselves, as PhiMoE's), and `all_real` marks
-    one made only to carry it (no key is padding)."""
+    one made only to carry it (no key is padding).
+
+    Only those moves keep the class (_KEY_MASK_MOVES, and indexing); any other op on it gives a
+    plain tensor. So a compiled forward handed one from outside (generate() with a static cache
+    builds its masks eagerly) traces: with torch's default, every op would return the subclass,
+    and torch.compile carried it into the layer's output and the next layers' queries, where it
+    cannot trace the class."""
     window = None
     all_real = False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if func in _KEY_MASK_MOVES and isinstance(out, torch.Tensor) and out.dtype == torch.bool:
+            return out.as_subclass(cls)
+        return out
+
+
+# The ops that move or copy a mask on its way to the attention function (transformers' and
+# accelerate's .contiguous(), .to(device)), which keep a CausalKeyMask one.
+_KEY_MASK_MOVES = frozenset({torch.Tensor.to, torch.Tensor.contiguous, torch.Tensor.clone, torch.Tensor.detach,
+                             torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.__getitem__})
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,6 +178,12 @@ def _sdpa_mask_parameters():
         import inspect
         names = _SDPA_MASK_PARAMETERS[sdpa_mask] = tuple(inspect.signature(sdpa_mask).parameters)
     return names
+
+
+def _plain(mask):
+    """A CausalKeyMask's booleans as a plain tensor: a view (CausalKeyMask.__torch_function__ gives
+    one; dynamo, which meets one in a compiled forward, does not trace as_subclass)."""
+    return mask.view(mask.shape)
 
 
 def _tracing():
@@ -274,7 +301,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     (batch, kv_heads, m, d), attention_mask from mask_function (or None). Returns the output
     (batch, n, heads, d_v) and the attention weights when output_attentions is set (else None)."""
     global calls
-    calls += 1
+    if not _tracing():
+        calls += 1
     for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attention_ext.hf: {name} ({what}) is not supported yet; use "
@@ -293,7 +321,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             mask, key_padding = None, False
         else:
             m = mask.shape[-1]
-            mask = None if type(mask).all_real else mask.as_subclass(torch.Tensor)
+            mask = None if type(mask).all_real else _plain(mask)
             key, value = key[:, :, :m], value[:, :, :m]
     elif mask is not None and mask.dtype != torch.bool:
         mask = mask.to(query.dtype)

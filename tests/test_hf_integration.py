@@ -160,6 +160,30 @@ def test_the_key_mask_survives_copies_on_the_way(family, no_sdpa):
         assert_same(a, b, f"logits of step {step}")
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+def test_static_cache_generation_with_a_fullgraph_compiled_forward(padded, no_sdpa):
+    """transformers' recipe: model.forward compiled with fullgraph=True, generate() with a static
+    cache, which builds the masks eagerly and hands the compiled forward a key mask: it traces (the
+    mask's class stays on it, not on what is computed from it), eager's tokens and logits."""
+    model = build("llama")
+    prompt, mask = prompt_of(9, 4 if padded else 0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True, cache_implementation="static")
+    model.set_attn_implementation("eager")
+    want = model.generate(prompt, **kwargs)
+    model.set_attn_implementation(NAME)
+    torch._dynamo.reset()
+    eager_forward = model.forward
+    model.forward = torch.compile(eager_forward, fullgraph=True, backend="eager")
+    try:
+        got = model.generate(prompt, **kwargs)
+    finally:
+        model.forward = eager_forward
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (a, b) in enumerate(zip(got.logits, want.logits)):
+        assert_same(a, b, f"logits of step {step}")
+
+
 @pytest.fixture
 def masks_seen(monkeypatch):
     """The attention masks our kernels receive, and a trap on transformers' sdpa_mask for more
@@ -340,11 +364,28 @@ def test_a_compiled_fullgraph_forward_equals_eager(family, how, no_sdpa):
         got = torch.compile(model.forward, fullgraph=True, backend="eager")(**inputs).logits
     finally:
         hf.attention = kernel
-    assert hf.calls > before
+    assert seen and hf.calls == before  # (compiled calls are not counted: the count would be a guard)
     if how == "no_mask":
         assert seen and all(seen), "a mask reached the kernels of a compiled call without padding or packing"
     real = inputs.get("attention_mask", torch.ones_like(ids)).bool()
     assert_same(got.detach()[real], want.detach()[real], "logits")
+
+
+def test_a_compiled_model_called_again_runs_its_graph_without_recompiling():
+    """Calls of the same shape reuse the compiled graph: nothing the attention function does per
+    call (its eager call counter) becomes a guard. Ten calls under fullgraph pass the recompile
+    limit (8) that such a guard would hit."""
+    model = build("llama")
+    ids, _ = prompt_of(9, 3)
+    model.set_attn_implementation(NAME)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        for _ in range(10):
+            assert_same(compiled(input_ids=ids).logits, want, "compiled logits")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 def test_output_attentions_in_training_with_dropout_are_the_weights_applied():
