@@ -243,9 +243,9 @@ def _check_rotary_reach(lengths, new, seqlen_q, local, table_rows):
 
 torch.library.define(
     "attention_ext::kvcache_checked_ends",
-    "(Tensor? cache_seqlens, Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, int batch, "
-    "int fixed_length, int cache_rows, int block_size, int new, int capacity, int rotary_rows, int seqlen_q, "
-    "bool local) -> Tensor")
+    "(Tensor? cache_seqlens, Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, SymInt batch, "
+    "int fixed_length, SymInt cache_rows, SymInt block_size, SymInt new, SymInt capacity, SymInt rotary_rows, "
+    "SymInt seqlen_q, bool local) -> Tensor")
 
 
 @torch.library.impl("attention_ext::kvcache_checked_ends", "CompositeExplicitAutograd")

@@ -288,6 +288,30 @@ def test_a_decode_loop_compiled_whole_with_per_entry_tensors_matches_eager(backe
             lengths = lengths + 1
 
 
+def test_a_compiled_decode_step_keeps_batch_cache_and_query_sizes_symbolic():
+    """Continuous batching under torch.compile(dynamic=True, fullgraph=True): ten steps of other
+    batch sizes, cache capacities and query rows, with cache_seqlens a tensor (whose checks run in
+    an op of the graph), run on a few graphs: the sizes reach that op as symbols, not constants
+    (one graph per size would pass the recompile limit of 8 and fail). Eager's bits and caches."""
+    def step(q, k_cache, v_cache, k, v, lengths):
+        return attention_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    for batch, capacity, rows in [(2, 16, 1), (3, 20, 1), (5, 24, 2), (7, 40, 1), (4, 33, 3), (9, 64, 1), (6, 17, 1),
+                                  (8, 50, 2), (10, 30, 1), (11, 70, 1)]:
+        k_cache, v_cache = (torch.randn(batch, capacity, 2, 8, generator=g) for _ in range(2))
+        q = torch.randn(batch, rows, 4, 8, generator=g)
+        k, v = (torch.randn(batch, 1, 2, 8, generator=g) for _ in range(2))
+        lengths = torch.randint(0, capacity - 1, (batch,), dtype=torch.int32, generator=g)
+        eager_k, eager_v = k_cache.clone(), v_cache.clone()
+        assert torch.equal(compiled(q, k_cache, v_cache, k, v, lengths), step(q, eager_k, eager_v, k, v, lengths))
+        assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("bad, message", [("overflow", "overflows the cache's 24 positions"),
                                           ("leftpad", r"cache_leftpad\[2\] = 11 must be in \[0, 10\]"),
