@@ -54,10 +54,10 @@ def _has_cuda_kernels() -> bool:
 
 
 def _broadcast_shapes(*shapes):
-    """torch.broadcast_shapes for plain int shapes, without its per-call overhead (tens of
-    microseconds: it matters for decode-sized calls); symbolic shapes go through torch."""
-    if torch.compiler.is_compiling():
-        return torch.broadcast_shapes(*shapes)
+    """torch.broadcast_shapes, without its per-call overhead (tens of microseconds: it matters for
+    decode-sized calls). Symbolic sizes too: a size compared with 1 or another is a guard, as in
+    torch's; and shapes that do not broadcast raise the RuntimeError _broadcast_batch turns into
+    its message (torch's, under torch.compile, fails inside the tracer instead)."""
     ndim = max(len(s) for s in shapes)
     out = [1] * ndim
     for shape in shapes:

@@ -288,6 +288,18 @@ def test_a_decode_loop_compiled_whole_with_per_entry_tensors_matches_eager(backe
             lengths = lengths + 1
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_compiled_call_with_batch_dims_that_do_not_broadcast_raises_the_eager_message(dynamic):
+    q, kv = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 6, 8)  # GQA shapes without enable_gqa=True
+    f = lambda q, k, v: attention_ext.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    message = r"the batch dims of query \(2, 4, 5, 8\), key \(2, 2, 6, 8\) .* pass enable_gqa=True"
+    with pytest.raises(ValueError, match=message):
+        f(q, kv, kv)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=message):
+        torch.compile(f, backend="eager", dynamic=dynamic)(q, kv, kv)
+
+
 def test_a_compiled_decode_step_keeps_batch_cache_and_query_sizes_symbolic():
     """Continuous batching under torch.compile(dynamic=True, fullgraph=True): ten steps of other
     batch sizes, cache capacities and query rows, with cache_seqlens a tensor (whose checks run in
