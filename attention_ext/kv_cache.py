@@ -21,10 +21,10 @@ any block_size >= 1. heads is a multiple of kv_heads (GQA/MQA, no copies). Per b
 Returns out (batch, seqlen_q, heads, head_dim_v), and softmax_lse (batch, heads, seqlen_q) with
 return_softmax_lse=True. Inference only: inputs that require grad (with grad mode on; rotary tables
 and ALiBi slopes too), or that carry forward-mode tangents, are refused (vmap works: torch runs the
-call once per entry). Every write is checked first: a cache overflow (cache_seqlens + seqlen_new
-beyond the cache), a block id outside the cache anywhere an entry reads or writes, two entries
-appending to one cache slot (through cache_batch_idx or a block shared in block_table; reading one
-together is fine), k_cache and v_cache in the same memory, or an expanded (stride-0) cache to append
+call once per entry, with cache_seqlens, cache_batch_idx, cache_leftpad and block_table unbatched).
+Every write is checked first: a cache overflow (cache_seqlens + seqlen_new beyond the cache), a
+block id outside the cache anywhere an entry reads or writes, two entries appending to one cache
+slot (through cache_batch_idx or a block shared in block_table; reading one together is fine), k_cache and v_cache in the same memory, or an expanded (stride-0) cache to append
 to raises before anything is written. New k / v that are views of a cache are copied before the
 writes, so they go in with the values they were passed with. A cache made under
 torch.inference_mode() takes appends only under it as well (torch refuses in-place updates of
@@ -409,6 +409,18 @@ def _heads_first(cache):
     return cache.as_strided((rows, kv_heads, 1, length, d), (st[0], st[2], 0, st[1], st[3]))
 
 
+def _refuse_vmapped_entries(named):
+    """The per-entry tensors are read as values (which rows and slots each entry reads and writes):
+    batched by torch.func.vmap they have none to read, so each is refused with what to do instead."""
+    if torch.compiler.is_compiling():
+        return
+    for t, name in named:
+        if isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
+            _fail(NotImplementedError, f"{name} is batched by torch.func.vmap (or another torch.func transform): "
+                                       "its values say where each entry reads and writes, so it must be the same for "
+                                       f"every call vmap makes; pass it unbatched (in_dims None) or loop over the calls")
+
+
 def _refuse_forward_ad(named):
     """no_grad does not stop forward-mode AD, and the op has no jvp: its tangents would be dropped
     (vmap is fine: torch runs the op once per batch entry)."""
@@ -504,6 +516,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             # copied first (rows as the caller passed them).
             if any(_may_share_memory(new_rows, cache) for new_rows in (k, v) for cache in (k_cache, v_cache)):
                 k, v = k.clone(), v.clone()
+    _refuse_vmapped_entries(((cache_seqlens, "cache_seqlens"), (cache_batch_idx, "cache_batch_idx"),
+                             (cache_leftpad, "cache_leftpad"), (block_table, "block_table")))
     if forward_ad_possible():
         _refuse_forward_ad(((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (k, "k"), (v, "v"),
                             (rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")))

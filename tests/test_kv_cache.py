@@ -917,6 +917,21 @@ def test_vmap_over_entries_that_each_append_to_their_own_cache():
     assert torch.equal(caches[0], copies[0]) and torch.equal(caches[1], copies[1])
 
 
+def test_per_entry_tensors_batched_by_vmap_are_refused_with_what_to_do():
+    """cache_seqlens (and the other per-entry tensors) are read as values: batched by vmap they
+    have none, so the call says to pass them unbatched, before anything is written."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(3, 2, 1, 4, 8, generator=g) for _ in range(3))
+    caches = [torch.zeros(3, 2, 6, 4, 8) for _ in range(2)]
+    lengths = torch.tensor([[1, 3], [2, 5], [0, 4]], dtype=torch.int32)
+    call = lambda q, kc, vc, k, v, l: flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=l)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="cache_seqlens is batched by torch.func.vmap .* pass it unbatched"):
+        torch.vmap(call)(q, *caches, k, v, lengths)
+    assert not caches[0].any() and not caches[1].any()
+    shared = torch.vmap(call, in_dims=(0, 0, 0, 0, 0, None))(q, *caches, k, v, lengths[0])
+    assert shared.shape == (3, 2, 1, 4, 8) and caches[0][:, 0, 1].any() and caches[0][:, 1, 3].any()
+
+
 def test_bad_direct_op_calls_never_crash():
     """The op checks lengths, rows and block ids against the cache itself: in a subprocess that
     must survive, every bad call raises."""
