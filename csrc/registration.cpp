@@ -41,14 +41,16 @@ TORCH_LIBRARY(attention_ext, m) {
   // query (batch..., total_q, d), key/value (batch..., total_k, d); sequence s holds the rows
   // cu_seqlens_q[s]:cu_seqlens_q[s+1] and cu_seqlens_k[s]:cu_seqlens_k[s+1] (int32) and sees only
   // itself (csrc/packed_sequences.h). causal 0 or 2; alibi_slopes may have one row per sequence.
+  // max_seqlen_q/k are SymInt, as in torch's own varlen ops, so that under torch.compile a new longest
+  // sequence is no new graph (the kernels read them as int64_t).
   m.def(
       "attention_varlen_fwd(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, float scale, int causal, int window_left, int window_right, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_k, float scale, int causal, int window_left, int window_right, "
       "float softcap, Tensor? alibi_slopes, Tensor? sinks, float dropout_p, Tensor? rng_state) -> "
       "(Tensor out, Tensor lse)");
   m.def(
       "attention_varlen_bwd(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, "
-      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, Tensor out, Tensor lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor out, Tensor lse, "
       "float scale, int causal, int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
       "Tensor? sinks, float dropout_p, Tensor? rng_state) -> (Tensor grad_query, Tensor grad_key, "
       "Tensor grad_value)");

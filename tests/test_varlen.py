@@ -431,6 +431,27 @@ def test_opcheck_and_compiled_fullgraph_forward_and_backward():
         torch.testing.assert_close(a, b)
 
 
+def test_a_compiled_training_step_keeps_the_longest_sequence_symbolic():
+    """Packed batches whose longest sequence changes every step (max_seqlen_q/k SymInt in the ops,
+    as torch's own): compiled with dynamic=True and fullgraph=True they run on a few graphs, where
+    one per value would pass the recompile limit (8) and fail; eager's loss and gradients."""
+    def step(q, k, v, cu, longest):
+        return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True).square().sum()
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=True)
+    for i in range(10):
+        lens = [3, 5 + i]
+        q, k, v, cu, _ = packed_inputs(lens, lens, 4, 2, 8, torch.float32, requires_grad=True)
+        loss = compiled(q, k, v, cu, max(lens))
+        eager = step(q, k, v, cu, max(lens))
+        torch.testing.assert_close(loss, eager, rtol=0, atol=0)
+        for a, b in zip(torch.autograd.grad(loss, (q, k, v)), torch.autograd.grad(eager, (q, k, v))):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
+
+
 @pytest.mark.cuda_kernels
 @pytest.mark.skipif(CUDA_KERNELS_DEVICE is None, reason="needs a CUDA device or the CUDA emulation build")
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
