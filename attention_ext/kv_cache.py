@@ -244,7 +244,7 @@ def _check_rotary_reach(lengths, new, seqlen_q, local, table_rows):
 torch.library.define(
     "attention_ext::kvcache_checked_ends",
     "(Tensor? cache_seqlens, Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, SymInt batch, "
-    "int fixed_length, SymInt cache_rows, SymInt block_size, SymInt new, SymInt capacity, SymInt rotary_rows, "
+    "SymInt fixed_length, SymInt cache_rows, SymInt block_size, SymInt new, SymInt capacity, SymInt rotary_rows, "
     "SymInt seqlen_q, bool local) -> Tensor")
 
 
@@ -375,10 +375,13 @@ def _strided_views_meet(a, b):
     one tensor's do). Other strides, or a search past its budget: False (not decided)."""
     size = a.element_size()
     distance = b.data_ptr() - a.data_ptr()
-    if size != b.element_size() or a.stride() != b.stride() or distance % size != 0:
+    # (the strides of dims of size 1 in both say nothing: a view may carry any there)
+    moving = [i for i in range(a.dim()) if a.shape[i] > 1 or b.shape[i] > 1]
+    if size != b.element_size() or a.dim() != b.dim() or distance % size != 0 \
+            or any(a.stride(i) != b.stride(i) for i in moving):
         return False
     # (stride, largest x − y, smallest x − y) per dim that can differ
-    dims = sorted(((st, na - 1, 1 - nb) for st, na, nb in zip(a.stride(), a.shape, b.shape) if st != 0),
+    dims = sorted(((a.stride(i), a.shape[i] - 1, 1 - b.shape[i]) for i in moving if a.stride(i) != 0),
                   reverse=True)
     reach_high = [0] * (len(dims) + 1)  # the sums dims[i:] can reach: [reach_low[i], reach_high[i]]
     reach_low = [0] * (len(dims) + 1)
@@ -391,13 +394,16 @@ def _strided_views_meet(a, b):
     def meet(i, rest):
         if i == len(dims):
             return rest == 0
-        budget[0] -= 1
-        if budget[0] < 0:
-            return False
         st, high, low = dims[i]
         first = max(low, -((reach_high[i + 1] - rest) // st))  # st·d >= rest − reach_high[i + 1]
         last = min(high, (rest - reach_low[i + 1]) // st)  # st·d <= rest − reach_low[i + 1]
-        return any(meet(i + 1, rest - st * d) for d in range(first, last + 1))
+        for d in range(first, last + 1):
+            budget[0] -= 1
+            if budget[0] < 0:  # (the whole search stops here)
+                return False
+            if meet(i + 1, rest - st * d):
+                return True
+        return False
 
     return meet(0, distance // size)
 
@@ -415,8 +421,8 @@ def _refuse_vmapped_entries(named):
     if torch.compiler.is_compiling():
         return
     for t, name in named:
-        if isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
-            _fail(NotImplementedError, f"{name} is batched by torch.func.vmap (or another torch.func transform): "
+        if isinstance(t, torch.Tensor) and torch._C._functorch.is_batchedtensor(t):
+            _fail(NotImplementedError, f"{name} is batched by torch.func.vmap: "
                                        "its values say where each entry reads and writes, so it must be the same for "
                                        f"every call vmap makes; pass it unbatched (in_dims None) or loop over the calls")
 
@@ -619,10 +625,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         ends = ops.kvcache_checked_ends(cache_seqlens if seqlens_given else None, cache_batch_idx, cache_leftpad,
                                         block_table, batch, fixed_length, k_cache.shape[0], k_cache.shape[1], new,
                                         capacity, rotary_cos.shape[0] if rotary else -1, seqlen_q, local)
-        lengths = None if seqlens_given else [fixed_length] * batch
         # The writes take their positions from the checks' result, so that a compiler cannot
-        # order them before the checks.
+        # order them before the checks (a tensor from here on: no host list, whose length would
+        # make the batch size a constant).
         cache_seqlens = ends - new
+        lengths = None
 
     # On CPU tensors the rotary and the append are ops of their own; under vmap and the other
     # functorch transforms (the ops have no batching rules) and on other devices, torch ops.

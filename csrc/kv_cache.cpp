@@ -46,12 +46,13 @@ struct StridedMeet {
 
   bool meet(size_t i, int64_t rest) {
     if (i == dims.size()) return rest == 0;
-    if (--budget < 0) return false;
     const Dim& dim = dims[i];
     const int64_t first = std::max(dim.low, -floor_div(reach_high[i + 1] - rest, dim.stride));
     const int64_t last = std::min(dim.high, floor_div(rest - reach_low[i + 1], dim.stride));
-    for (int64_t d = first; d <= last; ++d)
+    for (int64_t d = first; d <= last; ++d) {
+      if (--budget < 0) return false;  // (the whole search stops here)
       if (meet(i + 1, rest - dim.stride * d)) return true;
+    }
     return false;
   }
   static int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
@@ -60,12 +61,16 @@ struct StridedMeet {
 bool strided_views_meet(const at::Tensor& a, const at::Tensor& b) {
   const int64_t size = a.element_size();
   const int64_t distance = reinterpret_cast<intptr_t>(b.data_ptr()) - reinterpret_cast<intptr_t>(a.data_ptr());
-  if (size != b.element_size() || a.strides() != b.strides() || distance % size != 0) return false;
+  if (size != b.element_size() || a.dim() != b.dim() || distance % size != 0) return false;
   StridedMeet search;
-  for (int64_t dim = 0; dim < a.dim(); ++dim)
+  for (int64_t dim = 0; dim < a.dim(); ++dim) {
+    if (a.size(dim) <= 1 && b.size(dim) <= 1) continue;  // (any stride there: it says nothing)
+    if (a.stride(dim) != b.stride(dim)) return false;
     if (a.stride(dim) != 0) search.dims.push_back({a.stride(dim), a.size(dim) - 1, 1 - b.size(dim)});
+  }
   std::sort(search.dims.begin(), search.dims.end(), [](const StridedMeet::Dim& x, const StridedMeet::Dim& y) {
-    return x.stride != y.stride ? x.stride > y.stride : x.high > y.high;
+    if (x.stride != y.stride) return x.stride > y.stride;
+    return x.high != y.high ? x.high > y.high : x.low > y.low;  // (the Python twin's order)
   });
   search.reach_low.assign(search.dims.size() + 1, 0);
   search.reach_high.assign(search.dims.size() + 1, 0);

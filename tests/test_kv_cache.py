@@ -444,8 +444,8 @@ def test_new_rows_that_are_a_view_of_a_cache_are_written_as_passed(python_path, 
 
 
 def test_caches_that_share_memory_without_sharing_slots_take_appends():
-    """Refused as the same memory: k_cache and v_cache with a common first element, or dense views
-    whose bytes overlap. Taken: caches in one tensor that share no element, as a packed cache's K and
+    """Refused as the same memory: k_cache and v_cache with a common first element, dense views
+    whose bytes overlap, or views with equal strides that share a slot. Taken: caches in one tensor that share no element, as a packed cache's K and
     V halves (kv[:, :, 0] and kv[:, :, 1]); two entries appending to disjoint positions of one cache
     row; entries reading one row or block together."""
     kv = torch.zeros(2, 8, 2, 1, 4)
@@ -471,6 +471,15 @@ def test_caches_that_share_memory_without_sharing_slots_take_appends():
                 flash_attn_with_kvcache(q.expand(2, 1, 2, 4), heads[:, :, 0:2], heads[:, :, 1:3],
                                         k.expand(2, 1, 2, 4), v.expand(2, 1, 2, 4), cache_seqlens=0)
     assert not heads.any()
+    # One position apart along the keys, one view carrying another stride on its size-1 head dim
+    # (strides there say nothing): refused too.
+    rows = torch.zeros(2, 9, 1, 4)
+    shifted = rows[:, 1:]
+    shifted = shifted.as_strided(shifted.shape, (shifted.stride(0), shifted.stride(1), 999, 1),
+                                 shifted.storage_offset())
+    with pytest.raises(ValueError, match="k_cache and v_cache are the same memory"):
+        flash_attn_with_kvcache(q[:, :, :1], rows[:, :8], shifted, k[:, :, :1], v[:, :, :1], cache_seqlens=0)
+    assert not rows.any()
     apart = torch.zeros(2, 8, 4, 4)
     flash_attn_with_kvcache(q.expand(2, 1, 2, 4), apart[:, :, 0:2], apart[:, :, 2:4], k.expand(2, 1, 2, 4),
                             v.expand(2, 1, 2, 4), cache_seqlens=1)
@@ -925,7 +934,7 @@ def test_per_entry_tensors_batched_by_vmap_are_refused_with_what_to_do():
     caches = [torch.zeros(3, 2, 6, 4, 8) for _ in range(2)]
     lengths = torch.tensor([[1, 3], [2, 5], [0, 4]], dtype=torch.int32)
     call = lambda q, kc, vc, k, v, l: flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=l)  # noqa: E731
-    with pytest.raises(NotImplementedError, match="cache_seqlens is batched by torch.func.vmap .* pass it unbatched"):
+    with pytest.raises(NotImplementedError, match="cache_seqlens is batched by torch.func.vmap: .* pass it unbatched"):
         torch.vmap(call)(q, *caches, k, v, lengths)
     assert not caches[0].any() and not caches[1].any()
     shared = torch.vmap(call, in_dims=(0, 0, 0, 0, 0, None))(q, *caches, k, v, lengths[0])

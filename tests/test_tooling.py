@@ -300,13 +300,20 @@ def test_a_compiled_call_with_batch_dims_that_do_not_broadcast_raises_the_eager_
         torch.compile(f, backend="eager", dynamic=dynamic)(q, kv, kv)
 
 
-def test_a_compiled_decode_step_keeps_batch_cache_and_query_sizes_symbolic():
+@pytest.mark.parametrize("entries", ["cache_seqlens", "cache_batch_idx"])
+def test_a_compiled_decode_step_keeps_batch_cache_and_query_sizes_symbolic(entries):
     """Continuous batching under torch.compile(dynamic=True, fullgraph=True): ten steps of other
-    batch sizes, cache capacities and query rows, with cache_seqlens a tensor (whose checks run in
-    an op of the graph), run on a few graphs: the sizes reach that op as symbols, not constants
-    (one graph per size would pass the recompile limit of 8 and fail). Eager's bits and caches."""
+    batch sizes, cache capacities and query rows, with cache_seqlens a tensor, or an int beside a
+    cache_batch_idx tensor (the checks then run in an op of the graph), run on a few graphs: the
+    sizes reach that op as symbols, not constants (one graph per size would pass the recompile
+    limit of 8 and fail). Eager's bits and caches."""
     def step(q, k_cache, v_cache, k, v, lengths):
-        return attention_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True)
+        if entries == "cache_seqlens":
+            return attention_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+                                                         causal=True)
+        rows = torch.arange(q.shape[0], dtype=torch.int32).flip(0)
+        return attention_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3, causal=True,
+                                                     cache_batch_idx=rows)
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
