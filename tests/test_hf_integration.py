@@ -173,12 +173,24 @@ def test_static_cache_generation_with_a_fullgraph_compiled_forward(padded, no_sd
     want = model.generate(prompt, **kwargs)
     model.set_attn_implementation(NAME)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     eager_forward = model.forward
     model.forward = torch.compile(eager_forward, fullgraph=True, backend="eager")
+    masks = []
+    make_mask = hf.mask_function
+
+    def spy(*args, **kwargs):
+        masks.append(make_mask(*args, **kwargs))
+        return masks[-1]
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionMaskInterface.register(NAME, spy)
     try:
         got = model.generate(prompt, **kwargs)
     finally:
         model.forward = eager_forward
+        AttentionMaskInterface.register(NAME, make_mask)
+    assert any(isinstance(m, hf.CausalKeyMask) for m in masks), "no key mask reached the compiled forward"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
     assert torch.equal(got.sequences, want.sequences)
     for step, (a, b) in enumerate(zip(got.logits, want.logits)):
         assert_same(a, b, f"logits of step {step}")
