@@ -136,6 +136,11 @@ class VarlenAttentionFunction(torch.autograd.Function):
         return _backward(ctx, grad_out, grad_lse)
 
     @staticmethod
+    def vmap(info, in_dims, *args):
+        raise NotImplementedError("attention_ext: varlen_attention under torch.func.vmap is not supported: pack the "
+                                  "vmapped entries as more sequences of one call (cu_seqlens) instead")
+
+    @staticmethod
     def jvp(ctx, *tangents):
         raise NotImplementedError("attention_ext: varlen_attention has no forward-mode AD (torch.func.jvp, "
                                   "torch.autograd.forward_ad): its backward is first order; attention() on a padded "

@@ -279,6 +279,14 @@ def test_forward_mode_ad_raises_a_message_of_its_own():
             flash_attn_varlen_func(q, torch.autograd.forward_ad.make_dual(k, torch.ones_like(k)), v, cu_q, cu_k, 5, 6)
 
 
+def test_vmap_over_the_call_raises_with_what_to_do_instead():
+    """vmap over the packed call itself has no rule (its sequences are the batch): a message of its
+    own, saying to pack the entries as more sequences; jacrev (vmap over the backward) still works."""
+    q, k, v, cu_q, cu_k = packed_inputs([2, 3], [2, 3], 2, 1, 4)
+    with pytest.raises(NotImplementedError, match="under torch.func.vmap is not supported: pack the vmapped entries"):
+        torch.func.vmap(lambda x: flash_attn_varlen_func(x, x, x, cu_q, cu_k, 3, 3))(torch.stack([q, q]))
+
+
 @pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
 def test_a_first_order_jacobian_through_torch_func():
     """torch.func.jacrev runs the first-order backward under vmap: the Jacobian is
