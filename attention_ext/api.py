@@ -89,7 +89,8 @@ def _broadcast_symbolic_shapes(shapes):
                 continue
             if guard_or_false(out[i] != size):
                 raise RuntimeError(f"shapes {shapes} do not broadcast")
-            torch._check(out[i] == size, lambda: "attention_ext: the batch dims of query, key and value do not broadcast")
+            torch._check(out[i] == size,
+                         lambda: "attention_ext: the batch dims of query, key and value do not broadcast")
     return torch.Size(out)
 
 

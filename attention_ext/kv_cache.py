@@ -24,8 +24,9 @@ and ALiBi slopes too), or that carry forward-mode tangents, are refused (vmap wo
 call once per entry, with cache_seqlens, cache_batch_idx, cache_leftpad and block_table unbatched).
 Every write is checked first: a cache overflow (cache_seqlens + seqlen_new beyond the cache), a
 block id outside the cache anywhere an entry reads or writes, two entries appending to one cache
-slot (through cache_batch_idx or a block shared in block_table; reading one together is fine), k_cache and v_cache in the same memory, or an expanded (stride-0) cache to append
-to raises before anything is written. New k / v that are views of a cache are copied before the
+slot (through cache_batch_idx or a block shared in block_table; reading one together is fine),
+k_cache and v_cache in the same memory, or an expanded (stride-0) cache to append to raises before
+anything is written. New k / v that are views of a cache are copied before the
 writes, so they go in with the values they were passed with. A cache made under
 torch.inference_mode() takes appends only under it as well (torch refuses in-place updates of
 inference tensors outside it; FlashAttention writes through raw pointers and does not notice;
@@ -422,9 +423,9 @@ def _refuse_vmapped_entries(named):
         return
     for t, name in named:
         if isinstance(t, torch.Tensor) and torch._C._functorch.is_batchedtensor(t):
-            _fail(NotImplementedError, f"{name} is batched by torch.func.vmap: "
-                                       "its values say where each entry reads and writes, so it must be the same for "
-                                       f"every call vmap makes; pass it unbatched (in_dims None) or loop over the calls")
+            _fail(NotImplementedError, f"{name} is batched by torch.func.vmap: its values say where each entry "
+                                       "reads and writes, so it must be the same for every call vmap makes; pass it "
+                                       "unbatched (in_dims None) or loop over the calls")
 
 
 def _refuse_forward_ad(named):

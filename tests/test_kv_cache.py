@@ -445,9 +445,10 @@ def test_new_rows_that_are_a_view_of_a_cache_are_written_as_passed(python_path, 
 
 def test_caches_that_share_memory_without_sharing_slots_take_appends():
     """Refused as the same memory: k_cache and v_cache with a common first element, dense views
-    whose bytes overlap, or views with equal strides that share a slot. Taken: caches in one tensor that share no element, as a packed cache's K and
-    V halves (kv[:, :, 0] and kv[:, :, 1]); two entries appending to disjoint positions of one cache
-    row; entries reading one row or block together."""
+    whose bytes overlap, or views with equal strides that share a slot. Taken: caches in one tensor
+    that share no element, as a packed cache's K and V halves (kv[:, :, 0] and kv[:, :, 1]); two
+    entries appending to disjoint positions of one cache row; entries reading one row or block
+    together."""
     kv = torch.zeros(2, 8, 2, 1, 4)
     q, k, v = torch.randn(2, 1, 1, 4), torch.ones(2, 1, 1, 4), torch.full((2, 1, 1, 4), 2.0)
     flash_attn_with_kvcache(q, kv[:, :, 0], kv[:, :, 1], k, v, cache_seqlens=torch.tensor([0, 3], dtype=torch.int32))
