@@ -55,42 +55,31 @@ def _has_cuda_kernels() -> bool:
 
 def _broadcast_shapes(*shapes):
     """torch.broadcast_shapes, without its per-call overhead (tens of microseconds: it matters for
-    decode-sized calls). Shapes that do not broadcast raise the RuntimeError _broadcast_batch turns
-    into its message, under torch.compile too (torch's fails inside the tracer there)."""
-    if torch.compiler.is_compiling():
-        return _broadcast_symbolic_shapes(shapes)
+    decode-sized calls). One rule for int and symbolic sizes: under torch.compile each test is
+    guard_or_false (a backed size guards, an unbacked one is not assumed either way), as in torch's
+    own rule, and two sizes not known to differ are asserted equal when the graph runs
+    (torch._check). Shapes that do not broadcast raise the RuntimeError _broadcast_batch turns into
+    its message, under torch.compile too (torch's fails inside the tracer there)."""
+    known, compiling = bool, torch.compiler.is_compiling()
+    if compiling:
+        try:
+            from torch.fx.experimental.symbolic_shapes import guard_or_false as known
+        except ImportError:  # (torch before 2.7: torch's rule, with its error)
+            return torch.broadcast_shapes(*shapes)
     ndim = max(len(s) for s in shapes)
     out = [1] * ndim
     for shape in shapes:
         for i, size in enumerate(shape, ndim - len(shape)):
-            if size != 1:
-                if out[i] != 1 and out[i] != size:
-                    raise RuntimeError(f"shapes {shapes} do not broadcast")
-                out[i] = size
-    return torch.Size(out)
-
-
-def _broadcast_symbolic_shapes(shapes):
-    """The same rule for symbolic sizes, as torch's own: a size is 1, or two sizes differ, only where
-    that is known (guard_or_false: a backed size guards, an unbacked one is not assumed either way);
-    otherwise they are asserted equal when the graph runs (torch._check)."""
-    try:
-        from torch.fx.experimental.symbolic_shapes import guard_or_false
-    except ImportError:  # (torch before 2.7: torch's rule, with its error)
-        return torch.broadcast_shapes(*shapes)
-    ndim = max(len(s) for s in shapes)
-    out = [1] * ndim
-    for shape in shapes:
-        for i, size in enumerate(shape, ndim - len(shape)):
-            if guard_or_false(size == 1):
+            if known(size == 1):
                 continue
-            if guard_or_false(out[i] == 1):
+            if known(out[i] == 1):
                 out[i] = size
                 continue
-            if guard_or_false(out[i] != size):
+            if known(out[i] != size):
                 raise RuntimeError(f"shapes {shapes} do not broadcast")
-            torch._check(out[i] == size,
-                         lambda: "attention_ext: the batch dims of query, key and value do not broadcast")
+            if compiling:
+                torch._check(out[i] == size,
+                             lambda: "attention_ext: the batch dims of query, key and value do not broadcast")
     return torch.Size(out)
 
 

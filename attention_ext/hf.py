@@ -180,12 +180,6 @@ def _sdpa_mask_parameters():
     return names
 
 
-def _plain(mask):
-    """A CausalKeyMask's booleans as a plain tensor: a view (CausalKeyMask.__torch_function__ gives
-    one; dynamo, which meets one in a compiled forward, does not trace as_subclass)."""
-    return mask.view(mask.shape)
-
-
 def _tracing():
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
@@ -321,7 +315,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             mask, key_padding = None, False
         else:
             m = mask.shape[-1]
-            mask = None if type(mask).all_real else _plain(mask)
+            # (a view is a plain tensor: CausalKeyMask.__torch_function__; dynamo, which meets the
+            # mask in a compiled forward, does not trace as_subclass)
+            mask = None if type(mask).all_real else mask.view(mask.shape)
             key, value = key[:, :, :m], value[:, :, :m]
     elif mask is not None and mask.dtype != torch.bool:
         mask = mask.to(query.dtype)
